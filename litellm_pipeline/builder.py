@@ -1,0 +1,173 @@
+"""Builder: composed config -> validated schema -> plain objects -> Engine. Config stops here.
+
+Everything that can be checked without weights (schema, stage names, stage parameters, the stage graph's
+data flow, tiers against the checkpoint's config.json) is checked before a single weight is read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Mapping
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from litellm_pipeline import registry
+from litellm_pipeline.config_schema import AppConfig, PipelineSection, TierSection, validate_config
+from litellm_pipeline.demo_model import ensure_demo_checkpoint
+from litellm_pipeline.engine.block_pool import BlockPool
+from litellm_pipeline.engine.engine import Engine
+from litellm_pipeline.engine.request import TierSet
+from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes_per_block
+from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.loader import load_model, load_model_config
+from litellm_pipeline.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# what the engine provides before any stage runs, per level
+REQUEST_SEED = ("request",)
+STEP_SEED = ("schedule",)
+
+
+def to_plain(cfg: DictConfig | Mapping[str, Any]) -> dict:
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+def resolve_device(kind: str) -> torch.device:
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device.type: 'cuda' was asked for but no CUDA device is available (allowed: auto, cpu)")
+    return torch.device(kind)
+
+
+def resolve_tiers(tiers: Mapping[str, TierSection], mc: ModelConfig) -> dict[str, TierSet]:
+    """Tiers in terms of this checkpoint; asking for more experts than it has is a config error."""
+    out = {}
+    for name, t in tiers.items():
+        if not mc.is_moe:
+            out[name] = TierSet(name, 0, t.cost)
+            continue
+        n = mc.num_experts
+        k = mc.experts_per_token if t.experts_per_token is None else n if t.experts_per_token == "all" else t.experts_per_token
+        if k > n:
+            raise ConfigError(
+                f"tiers.{name}.experts_per_token: {k} exceeds the model's {n} experts "
+                f"(allowed 1..{n}, null = the checkpoint's top-{mc.experts_per_token}, or 'all')"
+            )
+        allowed = None
+        if t.allowed_experts is not None:
+            bad = [e for e in t.allowed_experts if not 0 <= e < n]
+            if bad or len(set(t.allowed_experts)) < k:
+                raise ConfigError(
+                    f"tiers.{name}.allowed_experts: must hold at least {k} distinct expert ids in 0..{n - 1} "
+                    f"(got {t.allowed_experts})"
+                )
+            allowed = tuple(sorted(set(t.allowed_experts)))
+        out[name] = TierSet(name, k, t.cost, allowed)
+    return out
+
+
+def stage_classes(pipeline: PipelineSection) -> list[tuple[str, type, dict]]:
+    """Look up every stage implementation, check its parameters and the graph's data flow."""
+    found = []
+    for name in pipeline.order:
+        spec = pipeline.stages[name]
+        try:
+            cls = registry.get("stage", spec.impl)
+        except registry.RegistryError as exc:
+            raise ConfigError(f"pipeline.stages.{name}.impl: {exc}") from exc
+        try:
+            inspect.signature(cls).bind(None, **spec.params)
+        except TypeError as exc:
+            raise ConfigError(f"pipeline.stages.{name}.params: {exc} (got {spec.params})") from exc
+        found.append((name, cls, spec.params))
+    check_graph([(n, c) for n, c, _ in found])
+    return found
+
+
+def check_graph(stages: list[tuple[str, type]]) -> None:
+    """Request-level stages come first; every stage's inputs are produced upstream of it."""
+    produced = set(REQUEST_SEED)
+    seen_step = False
+    for name, cls in stages:
+        level = getattr(cls, "level", None)
+        if level not in ("request", "step"):
+            raise ConfigError(f"pipeline stage {name!r}: level must be 'request' or 'step' (got {level!r})")
+        if level == "step" and not seen_step:
+            seen_step = True
+            produced |= set(STEP_SEED)
+        elif level == "request" and seen_step:
+            raise ConfigError(f"pipeline stage {name!r} is request-level but comes after a step-level stage")
+        missing = [i for i in cls.inputs if i not in produced]
+        if missing:
+            raise ConfigError(
+                f"pipeline stage {name!r} needs {missing}, which no stage before it produces "
+                f"(available at that point: {sorted(produced)})"
+            )
+        produced |= set(cls.outputs)
+    if "outputs" not in produced:
+        raise ConfigError("pipeline: no stage produces 'outputs' (the emit stage), so nothing would be returned")
+
+
+def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
+    app = validate_config(to_plain(cfg))
+    return build_from_app(app)
+
+
+def build_from_app(app: AppConfig) -> Engine:
+    classes = stage_classes(app.pipeline)
+    sched_cls = registry.get("scheduler", app.engine.scheduler)
+    device = resolve_device(app.device.type)
+    dtype = DTYPES[app.device.dtype]
+    if app.device.threads:
+        torch.set_num_threads(app.device.threads)
+    path = app.model.path or ensure_demo_checkpoint(app.model.demo_seed)
+    mc = load_model_config(path)
+    tiers = resolve_tiers(app.tiers, mc)
+    tokenizer = Tokenizer.from_dir(path)
+    if tokenizer.vocab_size > mc.vocab_size:
+        raise ConfigError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {mc.vocab_size}")
+    max_len = min(mc.max_position_embeddings, app.model.max_model_len or mc.max_position_embeddings)
+    model = load_model(
+        path,
+        dtype=dtype,
+        device=device,
+        cfg=mc,
+        attn_fn=registry.get("attention", "sdpa"),
+        dispatch_fn=registry.get("moe_dispatch", "packed"),
+    )
+    bs = app.cache.block_size
+    num_blocks = app.cache.num_blocks
+    if num_blocks is None:
+        wanted = app.engine.max_num_seqs * math.ceil(max_len / bs)
+        affordable = int(app.cache.memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
+        num_blocks = max(1, min(wanted, affordable))
+    pool = BlockPool(num_blocks)
+    scheduler = sched_cls(pool, bs, app.engine.max_num_seqs, app.engine.max_num_batched_tokens)
+    rt = Runtime(
+        model=model,
+        model_cfg=mc,
+        tokenizer=tokenizer,
+        kv_caches=allocate_kv_cache(mc, num_blocks, bs, dtype, device),
+        pool=pool,
+        scheduler=scheduler,
+        block_size=bs,
+        max_model_len=max_len,
+        tiers=tiers,
+        device=device,
+        eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids),
+        seed=app.seed,
+    )
+    request_stages, step_stages = [], []
+    for name, cls, params in classes:
+        try:
+            stage = cls(rt, **params)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"pipeline.stages.{name}.params: {exc}") from exc
+        (request_stages if cls.level == "request" else step_stages).append(stage)
+    return Engine(rt, request_stages, step_stages)

@@ -1,0 +1,110 @@
+"""The pydantic schema of the composed config: checked once when the pipeline is built.
+
+A wrong type, an unknown key or a value out of range gives one line per problem naming the key path and
+what is allowed (``cache.block_size: must be >= 1 (got 0)``), and nothing is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Mapping
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from litellm_pipeline.errors import ConfigError, InvalidValueError, format_validation_error
+from litellm_pipeline.sampling import SamplingParams
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    path: str | None = None
+    demo_seed: int = 0
+    max_model_len: int | None = Field(default=None, ge=2)
+
+
+class DeviceSection(_Section):
+    type: Literal["auto", "cpu", "cuda"] = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    threads: int | None = Field(default=None, ge=1, le=1024)
+
+
+class StageSection(_Section):
+    impl: str
+    params: dict[str, Any] = {}
+
+
+class PipelineSection(_Section):
+    order: list[str] = Field(min_length=1)
+    stages: dict[str, StageSection]
+
+    @model_validator(mode="after")
+    def _order_names_declared_stages(self) -> "PipelineSection":
+        missing = [s for s in self.order if s not in self.stages]
+        if missing:
+            raise ValueError(
+                f"order lists {missing} but only these stages are declared: {', '.join(self.stages)}"
+            )
+        unused = [s for s in self.stages if s not in self.order]
+        if unused:
+            raise ValueError(f"stages {unused} are declared but not in pipeline.order: add them to the order")
+        dup = sorted({s for s in self.order if self.order.count(s) > 1})
+        if dup:
+            raise ValueError(f"order lists {dup} more than once")
+        return self
+
+
+class TierSection(_Section):
+    experts_per_token: int | Literal["all"] | None = Field(default=None)
+    cost: float = Field(default=1.0, ge=0)
+    allowed_experts: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _positive(self) -> "TierSection":
+        if isinstance(self.experts_per_token, int) and self.experts_per_token < 1:
+            raise ValueError(f"experts_per_token must be >= 1, null or 'all' (got {self.experts_per_token})")
+        return self
+
+
+class EngineSection(_Section):
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    scheduler: str = "fcfs"
+
+
+class CacheSection(_Section):
+    block_size: int = Field(default=16, ge=1, le=1024)
+    num_blocks: int | None = Field(default=None, ge=1)
+    memory_gb: float = Field(default=2.0, gt=0)
+
+
+class AppConfig(_Section):
+    task: str | None = None
+    prompt: str | None = None
+    chat: bool = False
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    device: DeviceSection = DeviceSection()
+    pipeline: PipelineSection
+    tiers: dict[str, TierSection] = {}
+    sampling: dict[str, Any] = {}
+    engine: EngineSection = EngineSection()
+    cache: CacheSection = CacheSection()
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(**self.sampling)
+        except InvalidValueError as exc:
+            raise ConfigError(format_validation_error(exc.validation_error, "sampling")) from exc
+
+
+def validate_config(cfg: Mapping[str, Any]) -> AppConfig:
+    """Validate a composed config (a plain dict: resolve a DictConfig with ``OmegaConf.to_container`` first)."""
+    try:
+        app = AppConfig.model_validate(dict(cfg))
+    except pydantic.ValidationError as exc:
+        raise ConfigError("invalid config:\n" + format_validation_error(exc)) from exc
+    app.sampling_params()  # fail now, not at the first request
+    return app

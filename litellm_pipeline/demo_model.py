@@ -1,0 +1,100 @@
+"""The embedded default model: a small Mixtral-style MoE with RANDOM weights, built from a seed.
+
+It is written once as an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
+tokenizer.json, ...) in a cache folder and then loaded through the same loader as any user checkpoint,
+so the default run exercises the real path. Same seed, same bytes, every run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from litellm_pipeline.tokenizer import build_byte_tokenizer
+
+DEMO_VERSION = 1
+DEMO_CONFIG = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "vocab_size": 320,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": 2,
+    "torch_dtype": "float32",
+}
+DEMO_PROMPTS = ("The capital of France is", "def fibonacci(n):", "1 2 3 4 5")
+
+
+def cache_root() -> Path:
+    env = os.environ.get("LITELLM_PIPELINE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "litellm_pipeline"
+
+
+def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:  # scaled so activations neither vanish nor explode
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    hd, nh, nkv, e = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
+    out = {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "model.norm.weight": torch.ones(h)}
+    for li in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{li}."
+        out[p + "input_layernorm.weight"] = torch.ones(h)
+        out[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        out[p + "self_attn.q_proj.weight"] = w(nh * hd, h)
+        out[p + "self_attn.k_proj.weight"] = w(nkv * hd, h)
+        out[p + "self_attn.v_proj.weight"] = w(nkv * hd, h)
+        out[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
+        out[p + "block_sparse_moe.gate.weight"] = w(e, h)
+        for x in range(e):
+            q = f"{p}block_sparse_moe.experts.{x}."
+            out[q + "w1.weight"] = w(i, h)
+            out[q + "w3.weight"] = w(i, h)
+            out[q + "w2.weight"] = w(h, i)
+    out["lm_head.weight"] = w(v, h) * 4.0  # peaked next-token distributions, so greedy text is stable
+    return out
+
+
+def ensure_demo_checkpoint(seed: int = 0) -> Path:
+    """Return the demo checkpoint directory for ``seed``, writing it first if it is not cached yet."""
+    target = cache_root() / f"demo-moe-v{DEMO_VERSION}-seed{seed}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2))
+        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
+        build_byte_tokenizer().save(tmp)
+        save_file(_weights(DEMO_CONFIG, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            tmp.rename(target)  # atomic: concurrent first runs never see a half-written directory
+        except OSError:
+            if not (target / "model.safetensors").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,44 @@
+"""Runtime: the plain objects a built pipeline shares (model, cache, scheduler, tokenizer, tiers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from litellm_pipeline.engine.block_pool import BlockPool
+from litellm_pipeline.engine.request import TierSet
+from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.decoder import CausalLM
+from litellm_pipeline.tokenizer import Tokenizer
+
+
+@dataclass
+class Runtime:
+    model: CausalLM
+    model_cfg: ModelConfig
+    tokenizer: Tokenizer
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    pool: BlockPool
+    scheduler: object
+    block_size: int
+    max_model_len: int
+    tiers: dict[str, TierSet]
+    device: torch.device
+    eos_token_ids: frozenset = field(default_factory=frozenset)
+    seed: int = 0
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One flat K and one flat V tensor per layer: ``[num_blocks * block_size, kv_heads, head_dim]``."""
+    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8

@@ -1,0 +1,114 @@
+"""Error types and readable validation messages shared by config loading and request parsing.
+
+Validation happens at the edge (config build, request admission). A bad value must produce one
+line per problem that names the key path and the allowed range, e.g.
+``temperature: must be >= 0 and <= 100 (got -1)``, instead of pydantic's multi-line report.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+
+__all__ = ["ConfigError", "InvalidValueError", "format_validation_error", "range_message"]
+
+# pydantic prefixes messages of errors raised inside validators with these; the text after is ours
+_VALIDATOR_PREFIXES = ("Value error, ", "Assertion failed, ")
+
+# built-in constraint error types -> phrasing built from the error's ctx
+_CONSTRAINT_TEXT = {
+    "greater_than": "must be > {gt}",
+    "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}",
+    "less_than_equal": "must be <= {le}",
+    "multiple_of": "must be a multiple of {multiple_of}",
+    "too_short": "must have at least {min_length} item(s)",
+    "too_long": "must have at most {max_length} item(s)",
+    "string_too_short": "must have at least {min_length} character(s)",
+    "string_too_long": "must have at most {max_length} character(s)",
+    "literal_error": "must be one of {expected}",
+    "enum": "must be one of {expected}",
+}
+_MAX_INPUT_REPR = 80
+
+
+class ConfigError(ValueError):
+    """A configuration could not be loaded or built; ``str()`` is the readable explanation."""
+
+
+class InvalidValueError(ValueError):
+    """Raised by models that format their own validation errors (e.g. ``SamplingParams``).
+
+    ``str()`` is :func:`format_validation_error`'s text; the pydantic error is kept so that, when such a
+    model is nested in another one, the outer report can list the inner lines under the outer path.
+    """
+
+    def __init__(self, err: pydantic.ValidationError) -> None:
+        super().__init__(format_validation_error(err))
+        self.validation_error = err
+
+
+def range_message(lo: Any = None, hi: Any = None, *, lo_open: bool = False, hi_open: bool = False) -> str:
+    """The phrase used for a range violation: ``range_message(0, 100)`` -> ``"must be >= 0 and <= 100"``."""
+    parts = []
+    if lo is not None:
+        parts.append(f"{'>' if lo_open else '>='} {lo}")
+    if hi is not None:
+        parts.append(f"{'<' if hi_open else '<='} {hi}")
+    return "must be " + " and ".join(parts)
+
+
+def _path(loc: tuple[Any, ...], prefix: str) -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):  # list index
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "<root>"
+
+
+def _message(e: dict[str, Any]) -> str:
+    kind = e.get("type", "")
+    ctx = e.get("ctx") or {}
+    if kind in _CONSTRAINT_TEXT:
+        try:
+            return _CONSTRAINT_TEXT[kind].format(**ctx)
+        except (KeyError, IndexError):
+            pass
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    msg = str(e.get("msg", ""))
+    for p in _VALIDATOR_PREFIXES:
+        if msg.startswith(p):
+            return msg[len(p):]
+    return msg[:1].lower() + msg[1:]
+
+
+def _got(e: dict[str, Any]) -> str:
+    if e.get("type") == "missing" or "input" not in e:
+        return ""
+    text = repr(e["input"])
+    if len(text) > _MAX_INPUT_REPR:
+        text = text[: _MAX_INPUT_REPR - 3] + "..."
+    return f" (got {text})"
+
+
+def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> str:
+    """One line per error: ``path.to.key: message (got X)``; ``prefix`` is prepended to every path.
+
+    List indices are written ``key[i]``. Errors raised by our own validators keep their text (pydantic's
+    ``"Value error, "`` prefix is dropped); built-in constraint errors are rephrased as ``must be >= 0``.
+    """
+    lines = []
+    for e in err.errors():
+        path = _path(tuple(e.get("loc", ())), prefix)
+        inner = (e.get("ctx") or {}).get("error")
+        if isinstance(inner, InvalidValueError):  # a nested self-formatting model: list its own lines
+            lines.append(format_validation_error(inner.validation_error, "" if path == "<root>" else path))
+        else:
+            lines.append(f"{path}: {_message(e)}{_got(e)}")
+    return "\n".join(lines)

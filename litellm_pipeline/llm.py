@@ -1,0 +1,114 @@
+"""LLM: the offline Python API (``LLM(model=...).generate(prompts, params)`` and ``.stream``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+from omegaconf import OmegaConf
+
+from litellm_pipeline.builder import build_engine
+from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.hydra_config import compose
+from litellm_pipeline.sampling import SamplingParams
+
+# short keyword names for the config keys people set most
+ALIASES = {
+    "dtype": "device.dtype",
+    "device": "device.type",
+    "threads": "device.threads",
+    "max_model_len": "model.max_model_len",
+    "block_size": "cache.block_size",
+    "num_blocks": "cache.num_blocks",
+    "max_num_seqs": "engine.max_num_seqs",
+    "max_num_batched_tokens": "engine.max_num_batched_tokens",
+    "tier": "pipeline.stages.select_tier.params.tier",
+}
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class StreamDelta:
+    """What one engine step added to a streamed request."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def _is_single(prompts: Any) -> bool:
+    return isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
+    )
+
+
+class LLM:
+    """Build a pipeline from the config (plus overrides) and generate with it.
+
+    ``LLM(model="/dir", dtype="bfloat16", **{"cache.block_size": 32}, overrides=["engine.max_num_seqs=8"])``:
+    keyword names are config keys (dotted, or ``__`` for dots) or the short aliases in :data:`ALIASES`;
+    ``overrides`` are Hydra override strings (``+recipe=NAME`` works too).
+    """
+
+    def __init__(self, model: str | None = None, *, overrides: Sequence[str] = (), **kwargs: Any):
+        cfg = compose(list(overrides))
+        OmegaConf.set_struct(cfg, False)
+        if model is not None:
+            OmegaConf.update(cfg, "model.path", str(model), merge=True)
+        for key, value in kwargs.items():
+            OmegaConf.update(cfg, ALIASES.get(key, key.replace("__", ".")), value, merge=True)
+        self.cfg = cfg
+        self.engine = build_engine(cfg)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tier: str | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt together (one batch); outputs come back in prompt order."""
+        plist = [prompts] if _is_single(prompts) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist_params = [params or SamplingParams()] * len(plist)
+        else:
+            plist_params = list(params)
+            if len(plist_params) != len(plist):
+                raise ValueError(f"got {len(plist)} prompts but {len(plist_params)} SamplingParams")
+        reqs = []
+        try:
+            for p, sp in zip(plist, plist_params):
+                reqs.append(self.engine.add_request(p, sp, tier=tier))
+        except Exception:
+            for r in reqs:  # all or nothing: what was already admitted gives its memory back
+                self.engine.abort(r.request_id)
+            raise
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(reqs):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+        except BaseException:
+            for r in reqs:
+                self.engine.abort(r.request_id)
+            raise
+        return [final[r.request_id] for r in reqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, tier: str | None = None) -> Iterator[StreamDelta]:
+        """Yield text deltas as tokens are made; closing the iterator early aborts the request."""
+        req = self.engine.add_request(prompt, params or SamplingParams(), tier=tier)
+        done = False
+        try:
+            while not done:
+                for out in self.engine.step():
+                    if out.request_id != req.request_id:
+                        continue
+                    done = out.finished
+                    if out.delta_text or out.delta_token_ids or done:
+                        yield StreamDelta(out.delta_text, out.delta_token_ids, out.finish_reason)
+        finally:
+            if not done:
+                self.engine.abort(req.request_id)

@@ -1,0 +1,67 @@
+"""Attention over the paged KV cache (registry kind ``attention``).
+
+An implementation is a callable ``(q, k, v, k_cache, v_cache, meta, scale, sliding_window) -> out`` with
+q ``[T, Hq, D]``, k/v ``[T, Hk, D]`` for the step's new tokens and caches ``[num_slots, Hk, D]``. It
+writes the new K/V into their slots, then attends every token over its own sequence's context only, so
+a request's result never depends on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.registry import register
+
+
+def _prefill_mask(q_len: int, ctx_len: int, window: int | None, dtype, device) -> torch.Tensor | None:
+    """Causal mask of a chunk whose first query sits at position ctx_len - q_len; None when plain causal works."""
+    if q_len == ctx_len and window is None:
+        return None
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    kpos = torch.arange(ctx_len, device=device)[None, :]
+    ok = kpos <= qpos
+    if window is not None:
+        ok &= kpos > qpos - window
+    return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
+
+
+@register("attention", "sdpa")
+def sdpa_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Reference implementation: torch SDPA per prefill sequence, one padded SDPA for all decode tokens."""
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    gqa = q.shape[1] != k.shape[1]
+    for s in meta.prefills:
+        qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+        if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
+            ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+            vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+        else:
+            ks = k_cache[s.kv_slots].transpose(0, 1)
+            vs = v_cache[s.kv_slots].transpose(0, 1)
+        mask = _prefill_mask(s.q_len, s.ctx_len, sliding_window, q.dtype, q.device)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+        out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+    if meta.decode_rows is not None:
+        rows = meta.decode_rows
+        qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
+        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hk, L, D]
+        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        mask = meta.decode_mask(sliding_window, q.dtype)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        out[rows] = o.squeeze(2)
+    return out

@@ -1,0 +1,83 @@
+"""CausalLM: the one decoder implementation behind every supported family (dense and MoE)."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
+from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
+from litellm_pipeline.model.rope import RotaryEmbedding
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head, over a flat batch of tokens and a paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig, attn_fn: Callable, dispatch_fn: Callable):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        qk_eps = cfg.rms_norm_eps if cfg.qk_norm else None
+        layers = []
+        for i in range(cfg.num_layers):
+            attn = Attention(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                cfg.attention_bias,
+                qk_eps,
+                cfg.sliding_windows[i],
+                attn_fn,
+            )
+            if cfg.is_moe and cfg.moe_layers[i]:
+                mlp: nn.Module = SparseMoE(
+                    cfg.hidden_size,
+                    cfg.moe_intermediate_size,
+                    cfg.num_experts,
+                    cfg.experts_per_token,
+                    cfg.norm_topk_prob,
+                    cfg.shared_expert_intermediate_size,
+                    dispatch_fn,
+                )
+            else:
+                mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            layers.append(DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps))
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
+        self.dynamic_rope = cfg.rope.get("rope_type") == "dynamic"
+
+    def bind(self, attn_fn: Callable, dispatch_fn: Callable) -> None:
+        """Swap the attention / MoE dispatch implementations of every layer (done once, at build time)."""
+        for layer in self.layers:
+            layer.self_attn.attn_fn = attn_fn
+            if layer.is_moe:
+                layer.mlp.dispatch_fn = dispatch_fn
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        plan: RoutePlan | None = None,
+        rope_seq_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`)."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, meta, k_cache, v_cache, plan)
+        return h
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head on the rows that need a next token; float32 logits [R, V]."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(hidden), w).float()

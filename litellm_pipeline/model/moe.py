@@ -1,0 +1,66 @@
+"""Mixture-of-Experts: per-token expert choice under a TierSet, and packed expert dispatch (kind ``moe_dispatch``).
+
+Routing is deterministic: experts are ranked with a stable sort of the router probabilities, so equal
+scores always resolve to the lower expert id whatever else is in the batch. A dispatch implementation is
+a callable ``(x, expert_idx, expert_w, w13, w2) -> out`` where ``expert_idx``/``expert_w`` are ``[T, K]``
+(index -1 marks an unused slot), ``w13`` is ``[E, 2I, H]`` (gate and up stacked) and ``w2`` ``[E, H, I]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from litellm_pipeline.model.batch import RoutePlan
+from litellm_pipeline.registry import register
+
+
+def route_tokens(
+    router_logits: torch.Tensor, native_k: int, normalize: bool, plan: RoutePlan | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick each token's experts and weights: softmax in float32, top-k within its TierSet, optional renorm."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    k = native_k
+    if plan is not None:
+        if plan.allowed is not None:
+            probs = probs.masked_fill(~plan.allowed, 0.0)
+        if plan.max_k is not None:
+            k = plan.max_k
+    k = min(k, probs.shape[-1])
+    weights, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, idx = weights[:, :k], idx[:, :k]
+    if plan is not None and plan.top_k is not None:
+        unused = torch.arange(k, device=idx.device)[None, :] >= plan.top_k[:, None]
+        weights = weights.masked_fill(unused, 0.0)
+        idx = idx.masked_fill(unused, -1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return idx, weights
+
+
+@register("moe_dispatch", "packed")
+def packed_dispatch(
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+) -> torch.Tensor:
+    """Group the (token, expert) pairs of the whole batch by expert and run each expert once on its pack."""
+    t, k = expert_idx.shape
+    num_experts = w13.shape[0]
+    flat = expert_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()  # one host sync per layer
+    flat_w = expert_w.reshape(-1)
+    out = torch.zeros_like(x)
+    start = counts[0]  # slots marked -1 sort first and are skipped
+    for e in range(num_experts):
+        c = counts[e + 1]
+        if c == 0:
+            continue
+        sel = order[start : start + c]
+        start += c
+        tok = sel // k
+        xe = x[tok]
+        gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
+        ye = F.linear(F.silu(gate) * up, w2[e])
+        ye = ye * flat_w[sel, None]
+        out.index_add_(0, tok, ye.to(out.dtype))
+    return out

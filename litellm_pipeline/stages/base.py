@@ -1,0 +1,46 @@
+"""Stage: one node of the declared pipeline graph (registry kind ``stage``).
+
+A stage class declares its ``level`` ("request": runs once when a request is submitted, on a
+:class:`RequestContext`; "step": runs once per engine step over the whole batch, on a :class:`StepContext`),
+the context fields it reads (``inputs``) and the ones it writes (``outputs``). The builder checks that
+every input is produced upstream before anything runs. Stages are built once with the shared
+:class:`~litellm_pipeline.engine.runtime.Runtime` and their config ``params`` as plain keyword arguments.
+
+Row order convention of a step: the schedule lists multi-token entries (prefill chunks) first, then
+single-token entries (decodes), and every step-level stage lays its per-token tensors out in that order.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from litellm_pipeline.engine.request import Request
+
+
+class Stage:
+    level: ClassVar[str] = "step"
+    inputs: ClassVar[tuple[str, ...]] = ()
+    outputs: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, rt, **params):
+        if params:
+            raise TypeError(f"unexpected parameters {sorted(params)}; this stage takes none")
+        self.rt = rt
+
+    def __call__(self, ctx) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class RequestContext:
+    """Fields of one request flowing through the request-level stages."""
+
+    def __init__(self, request: Request):
+        self.request = request
+
+
+class StepContext:
+    """Fields of one engine step; ``schedule`` is ``[(request, num_new_tokens), ...]`` in row order."""
+
+    def __init__(self, schedule: list[tuple[Request, int]]):
+        self.schedule = schedule
+        self.outputs: list = []

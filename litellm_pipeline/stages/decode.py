@@ -1,0 +1,69 @@
+"""decode: one token for every generating request, packed with the step's prefill chunks into one forward.
+
+A single forward per step reads the weights once for decodes and prompt chunks alike; this stage owns it
+and hands the logits of every request that reached the end of its known tokens to ``sample``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from litellm_pipeline import registry
+from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.registry import register
+from litellm_pipeline.stages.base import Stage, StepContext
+
+
+@register("stage", "decode")
+class Decode(Stage):
+    inputs = ("schedule", "prefill_batch", "route_plan")
+    outputs = ("logits", "sample_requests")
+
+    def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed"):
+        super().__init__(rt)
+        rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch))
+
+    def __call__(self, ctx: StepContext) -> None:
+        rt, pb = self.rt, ctx.prefill_batch
+        dev, bs = rt.device, rt.block_size
+        decodes = ctx.schedule[len(pb.requests) :]
+        ids = list(pb.token_ids)
+        positions, slots, rope_lens = list(pb.positions), list(pb.slots), list(pb.rope_seq_lens)
+        meta_kw = {}
+        if decodes:
+            b = len(decodes)
+            ctx_lens = [r.num_computed + 1 for r, _ in decodes]
+            lmax = max(ctx_lens)
+            nblk = -(-lmax // bs)
+            table = torch.zeros(b, nblk, dtype=torch.long)
+            for i, (r, _) in enumerate(decodes):
+                table[i, : min(len(r.block_ids), nblk)] = torch.tensor(r.block_ids[:nblk])
+                ids.append(r.token_at(r.num_computed, r.num_computed + 1)[0])
+            lens_t = torch.tensor(ctx_lens)
+            lpos = torch.arange(lmax)
+            kv_slots = table[:, lpos // bs] * bs + lpos % bs
+            positions.append(lens_t - 1)
+            slots.append(kv_slots[torch.arange(b), lens_t - 1])
+            rope_lens.extend(ctx_lens)
+            meta_kw = dict(
+                decode_rows=torch.arange(pb.num_tokens, pb.num_tokens + b, device=dev),
+                decode_kv_slots=kv_slots.to(dev),
+                decode_ctx_lens=lens_t.to(dev),
+            )
+        for s in pb.seqs:
+            s.kv_slots = s.kv_slots.to(dev)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev), positions=torch.cat(positions).to(dev), prefills=pb.seqs, **meta_kw
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        rope_seq_lens = torch.tensor(rope_lens, device=dev) if rt.model.dynamic_rope else None
+        hidden = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens)
+        rows, reqs, row = [], [], 0
+        for req, n in ctx.schedule:
+            row += n
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:  # caught up: its next token is sampled now
+                rows.append(row - 1)
+                reqs.append(req)
+        ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
+        ctx.sample_requests = reqs

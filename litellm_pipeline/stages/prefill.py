@@ -1,0 +1,58 @@
+"""prefill: lay out this step's prompt chunks (paged KV slots, positions, per-sequence attention spans)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from litellm_pipeline.engine.request import Request
+from litellm_pipeline.model.batch import SeqAttention
+from litellm_pipeline.registry import register
+from litellm_pipeline.stages.base import Stage, StepContext
+
+
+@dataclass
+class PrefillBatch:
+    requests: list[tuple[Request, int]]
+    token_ids: list[int]
+    positions: list[torch.Tensor]
+    slots: list[torch.Tensor]
+    seqs: list[SeqAttention]
+    rope_seq_lens: list[int]  # per token: the sequence length its forward sees (dynamic RoPE)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def context_slots(block_ids: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
+    """Flat KV slot of each of the first ``ctx_len`` positions of a sequence."""
+    pos = torch.arange(ctx_len)
+    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
+
+
+@register("stage", "prefill")
+class Prefill(Stage):
+    """Chunks (entries computing more than one token) come first in the step's row order."""
+
+    inputs = ("schedule",)
+    outputs = ("prefill_batch",)
+
+    def __call__(self, ctx: StepContext) -> None:
+        bs = self.rt.block_size
+        reqs, ids, pos, slots, seqs, lens = [], [], [], [], [], []
+        row = 0
+        for req, n in ctx.schedule:
+            if n == 1:
+                break  # decodes follow; the decode stage lays them out
+            start, end = req.num_computed, req.num_computed + n
+            kv = context_slots(req.block_ids, end, bs)
+            reqs.append((req, n))
+            ids.extend(req.token_at(start, end))
+            pos.append(torch.arange(start, end))
+            slots.append(kv[start:end])
+            seqs.append(SeqAttention(q_start=row, q_len=n, ctx_len=end, kv_slots=kv))
+            lens.extend([end] * n)
+            row += n
+        ctx.prefill_batch = PrefillBatch(reqs, ids, pos, slots, seqs, lens)

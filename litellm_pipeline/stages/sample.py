@@ -1,0 +1,27 @@
+"""sample: next tokens (and logprobs) for every request that reached the end of its known tokens."""
+
+from __future__ import annotations
+
+from litellm_pipeline import registry
+from litellm_pipeline.registry import register
+from litellm_pipeline.sampler import SamplingRow
+from litellm_pipeline.stages.base import Stage, StepContext
+
+
+@register("stage", "sample")
+class Sample(Stage):
+    inputs = ("logits", "sample_requests")
+    outputs = ("samples",)
+
+    def __init__(self, rt, sampler: str = "default", **sampler_params):
+        super().__init__(rt)
+        self.sampler = registry.get("sampler", sampler)(**sampler_params)
+
+    def __call__(self, ctx: StepContext) -> None:
+        reqs = ctx.sample_requests
+        if not reqs:
+            ctx.samples = []
+            return
+        rows = [SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids) for r in reqs]
+        out = self.sampler(ctx.logits, rows)
+        ctx.samples = list(zip(reqs, out.token_ids, out.logprobs))

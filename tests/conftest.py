@@ -1,0 +1,31 @@
+"""Shared test setup: ``tests/`` on sys.path (for ``from hf_models import ...``) and fixtures."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """Factory ``hf_checkpoint(arch, seed=0, **overrides) -> Path`` of a tiny HF checkpoint
+    (see ``tests/hf_models.py``), built once per (arch, seed, overrides) per session."""
+    pytest.importorskip("transformers")
+    from hf_models import save_checkpoint
+
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str, seed: int = 0, **overrides) -> Path:
+        key = (arch, seed, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            name = f"{arch}-s{seed}" + (f"-v{len(cache)}" if overrides else "")
+            cache[key] = save_checkpoint(arch, tmp_path_factory.mktemp(name), seed=seed, **overrides)
+        return cache[key]
+
+    return make
