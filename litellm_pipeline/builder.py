@@ -72,6 +72,21 @@ def resolve_tiers(tiers: Mapping[str, TierSection], mc: ModelConfig) -> dict[str
     return out
 
 
+def resolve_max_model_len(mc: ModelConfig, asked: int | None) -> int:
+    """The context the engine serves: the checkpoint's, stretched by linear/dynamic RoPE scaling."""
+    limit = mc.max_position_embeddings
+    if mc.rope.get("rope_type") in ("linear", "dynamic"):
+        limit = int(limit * float(mc.rope.get("factor", 1.0)))
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ConfigError(
+            f"model.max_model_len: {asked} exceeds the checkpoint's context of {limit} tokens "
+            f"(max_position_embeddings {mc.max_position_embeddings}, rope {mc.rope.get('rope_type')})"
+        )
+    return asked
+
+
 def stage_classes(pipeline: PipelineSection) -> list[tuple[str, type, dict]]:
     """Look up every stage implementation, check its parameters and the graph's data flow."""
     found = []
@@ -132,7 +147,7 @@ def build_from_app(app: AppConfig) -> Engine:
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {mc.vocab_size}")
-    max_len = min(mc.max_position_embeddings, app.model.max_model_len or mc.max_position_embeddings)
+    max_len = resolve_max_model_len(mc, app.model.max_model_len)
     model = load_model(
         path,
         dtype=dtype,
@@ -141,6 +156,7 @@ def build_from_app(app: AppConfig) -> Engine:
         attn_fn=registry.get("attention", "sdpa"),
         dispatch_fn=registry.get("moe_dispatch", "packed"),
     )
+    model.rotary.reserve(max_len)
     bs = app.cache.block_size
     num_blocks = app.cache.num_blocks
     if num_blocks is None:

@@ -31,7 +31,7 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_mo
 
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 BYTE_OFFSET = 3  # byte b -> token id 3 + b
-VOCAB_SIZE = 384  # > 259 used ids: rows 259..383 exist in the weights but no token maps to them
+VOCAB_SIZE = 384  # ids 259..383 are the non-special added tokens "<|extra_i|>" (random models do emit them)
 MISTRAL_SLIDING_WINDOW = 8
 
 _COMMON = dict(
@@ -107,9 +107,9 @@ def _reinit_(model: torch.nn.Module, seed: int, init_std: float, logit_scale: fl
     * every 2-D linear weight: normal(0, init_std / sqrt(fan_in)) (variance preserving);
     * fused expert tensors (3-D, [experts, out, in]): same, per expert;
     * MoE router weights: 2x that, so top-k choices are far from ties;
-    * embeddings: normal(0, embed_std) -- small next to the O(1) outputs of the blocks, so
-      the residual stream is dominated by attention/MLP (and a tied lm_head does not just
-      echo the input token);
+    * embeddings: normal(0, embed_std); default 1.0 (same scale as the block outputs, which
+      keeps random models from collapsing into repeating one token), but 0.05 with a tied
+      lm_head (otherwise e_x . h makes the model echo its input token forever);
     * lm_head (untied): normal(0, logit_scale / sqrt(hidden)) -> logits std ~logit_scale,
       top1-top2 gaps are typically ~1, rarely < 1e-2;
     * RMSNorm weights (incl. q_norm/k_norm): 1 + uniform(-0.25, 0.25) (not all ones, so a
@@ -221,12 +221,14 @@ def _write_tokenizer(path: Path, max_len: int, vocab_size: int) -> None:
 
 
 def build_model(
-    arch: str, seed: int = 0, init_std: float = 1.0, logit_scale: float = 8.0, embed_std: float = 0.2, **overrides
+    arch: str, seed: int = 0, init_std: float = 1.0, logit_scale: float = 8.0, embed_std: float | None = None, **overrides
 ):
     """The re-initialised float32 ``transformers`` model (not saved)."""
     from transformers import AutoModelForCausalLM
 
     cfg = tiny_config(arch, **overrides)
+    if embed_std is None:
+        embed_std = 0.05 if cfg.tie_word_embeddings else 1.0
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     _reinit_(model, seed, init_std, logit_scale, embed_std)
@@ -239,7 +241,7 @@ def save_checkpoint(
     seed: int = 0,
     init_std: float = 1.0,
     logit_scale: float = 8.0,
-    embed_std: float = 0.2,
+    embed_std: float | None = None,
     **overrides,
 ) -> Path:
     """Write a tiny HF checkpoint for ``arch`` into ``path`` (created if needed) and return it.
@@ -260,14 +262,17 @@ def save_checkpoint(
 
 # --------------------------------------------------------------------------- reference generation
 
-_MODEL_CACHE: dict[tuple[str, str, str | None], Any] = {}
+_MODEL_CACHE: dict[tuple, Any] = {}
 
 
 def load_hf_model(path, dtype=torch.float32, attn_implementation: str | None = None):
-    """``AutoModelForCausalLM.from_pretrained`` (cached per path/dtype/attn impl)."""
+    """``AutoModelForCausalLM.from_pretrained`` (cached per path + weights mtime / dtype / attn impl)."""
     from transformers import AutoModelForCausalLM
 
-    key = (str(Path(path).resolve()), str(dtype), attn_implementation)
+    path = Path(path).resolve()
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns if weights.exists() else None  # re-saved checkpoint -> reload
+    key = (str(path), stamp, str(dtype), attn_implementation)
     model = _MODEL_CACHE.get(key)
     if model is None:
         kw = {"dtype": dtype}

@@ -102,7 +102,7 @@ class ModelConfig:
                 moe_layers=(True,) * layers,
             )
         elif family in ("qwen2_moe", "qwen3_moe"):
-            n = int(cfg["num_experts"])
+            n = int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"])
             only = set(cfg.get("mlp_only_layers") or [])
             step = int(cfg.get("decoder_sparse_step") or 1)
             moe = dict(
@@ -143,7 +143,7 @@ def _sliding_windows(cfg: dict, family: str, layers: int) -> tuple:
     """Per-layer sliding window, following each family's rule (``layer_types`` wins when present)."""
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
-    if family in ("qwen2", "qwen2_moe", "qwen3") and not cfg.get("use_sliding_window", False):
+    if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         window = None
     if window is None:
         return (None,) * layers

@@ -179,7 +179,8 @@ class RotaryEmbedding:
                 rows.append(self.inv_freq)
             else:  # transformers recomputes on the activation device from a 0-dim int64 seq_len
                 seq_len = torch.tensor(n, dtype=torch.int64, device=self.device)
-                rows.append(_inv_freq(self.head_dim, self.params, self.max_position_embeddings, self.device, seq_len)[0])
+                inv_freq, _ = _inv_freq(self.head_dim, self.params, self.max_position_embeddings, self.device, seq_len)
+                rows.append(inv_freq)
         return self._half_cos_sin(positions, torch.stack(rows)[inverse])
 
 

@@ -130,7 +130,9 @@ def test_apply_rotary_matches_transformers(dtype):
     q_rot, k_rot = apply_rotary(q, k, cos, sin)
     hf_cos, hf_sin = hf_cos_sin(config, positions, dtype)
     # transformers' layout: [B, H, T, D] with cos/sin [B, T, D] unsqueezed at dim 1
-    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos[None], hf_sin[None])
+    hf_q, hf_k = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos[None], hf_sin[None]
+    )
     assert q_rot.dtype == dtype and k_rot.dtype == dtype
     assert torch.equal(q_rot, hf_q[0].transpose(0, 1)) and torch.equal(k_rot, hf_k[0].transpose(0, 1))
     # fp32 tables handed to bf16 activations still round like transformers (cast first, then multiply)
