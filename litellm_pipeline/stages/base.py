@@ -22,9 +22,9 @@ class Stage:
     inputs: ClassVar[tuple[str, ...]] = ()
     outputs: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, rt, **params):
-        if params:
-            raise TypeError(f"unexpected parameters {sorted(params)}; this stage takes none")
+    def __init__(self, rt):
+        # subclasses with parameters declare them as keyword arguments: the builder checks a config's
+        # params against that signature before anything is loaded
         self.rt = rt
 
     def __call__(self, ctx) -> None:  # pragma: no cover - interface

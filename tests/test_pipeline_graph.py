@@ -1,0 +1,93 @@
+"""The YAML stage graph is what executes: swapping an implementation is one override, and a stage defined
+here, in a test module, can be inserted by config alone."""
+
+from __future__ import annotations
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.registry import register
+from litellm_pipeline.stages.base import Stage
+
+ORDER = "pipeline.order=[admit,select_tier,route,prefill,decode,sample,{x},emit]"
+
+
+class ReplaceToken(Stage):
+    """Between sample and emit: rewrites one sampled token id into another (and counts its calls)."""
+
+    inputs = ("samples",)
+    outputs = ("samples",)
+    calls = 0
+
+    def __init__(self, rt, old: int, new: int):
+        super().__init__(rt)
+        self.old, self.new = old, new
+
+    def __call__(self, ctx) -> None:
+        type(self).calls += 1
+        ctx.samples = [(r, self.new if t == self.old else t, lp) for r, t, lp in ctx.samples]
+
+
+register("stage", "test_replace_token")(ReplaceToken)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def test_swap_sampler_by_one_override(hf_checkpoint):
+    path = str(hf_checkpoint("llama"))
+    prompt = [5, 6, 7, 8, 9]
+    hot = SamplingParams(max_tokens=12, temperature=1.5, seed=1, ignore_eos=True)
+    greedy = LLM(model=path).generate(prompt, GREEDY)[0].token_ids
+    sampled = LLM(model=path).generate(prompt, hot)[0].token_ids
+    swapped = LLM(model=path, overrides=["pipeline.stages.sample.params.sampler=greedy"]).generate(prompt, hot)[0]
+    assert sampled != greedy  # the default sampler really samples at temperature 1.5
+    assert swapped.token_ids == greedy
+
+
+def test_insert_a_stage_from_a_test_module_by_config_alone(hf_checkpoint):
+    path = str(hf_checkpoint("mixtral"))
+    prompt = [10, 20, 30, 40]
+    base = LLM(model=path).generate(prompt, GREEDY)[0].token_ids
+    old = base[0]
+    overrides = [f"+pipeline.stages.fix={{impl: test_replace_token, params: {{old: {old}, new: 200}}}}", ORDER.format(x="fix")]
+    ReplaceToken.calls = 0
+    out = LLM(model=path, overrides=overrides).generate(prompt, GREEDY)[0].token_ids
+    assert out[0] == 200 and old not in out[:1]
+    assert ReplaceToken.calls >= len(out)
+
+
+def test_insert_by_import_string(hf_checkpoint):
+    """A stage can also be named as "module:Class" without registering it."""
+    path = str(hf_checkpoint("llama"))
+    prompt = [10, 20, 30]
+    base = LLM(model=path).generate(prompt, GREEDY)[0].token_ids
+    impl = f"{__name__}:ReplaceToken"
+    overrides = [f"+pipeline.stages.fix={{impl: '{impl}', params: {{old: {base[0]}, new: 201}}}}", ORDER.format(x="fix")]
+    assert LLM(model=path, overrides=overrides).generate(prompt, GREEDY)[0].token_ids[0] == 201
+
+
+def test_tier_changes_moe_routing_but_not_dense(hf_checkpoint):
+    """select_tier's fixed tier is honoured: top-1 routing changes a MoE model's output."""
+    prompt = list(range(3, 40))
+    moe = str(hf_checkpoint("mixtral"))
+    deep = LLM(model=moe).generate(prompt, GREEDY)[0]
+    fast = LLM(model=moe, tier="fast").generate(prompt, GREEDY)[0]
+    assert deep.tier == "deep" and fast.tier == "fast"
+    assert deep.token_ids != fast.token_ids
+    llm = LLM(model=moe)
+    per_request = llm.generate(prompt, GREEDY, tier="fast")[0]
+    assert per_request.token_ids == fast.token_ids and per_request.tier == "fast"
+
+
+def test_mixed_tiers_in_one_batch_match_each_alone(hf_checkpoint):
+    moe = str(hf_checkpoint("qwen2_moe"))
+    llm = LLM(model=moe)
+    prompts = [list(range(3, 3 + n)) for n in (9, 21, 33)]
+    tiers = ["fast", "deep", "max"]
+    alone = [llm.generate(p, GREEDY, tier=t)[0].token_ids for p, t in zip(prompts, tiers)]
+    reqs = [llm.engine.add_request(p, GREEDY, tier=t) for p, t in zip(prompts, tiers)]
+    done = {}
+    while len(done) < 3:
+        for o in llm.engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done[r.request_id] for r in reqs] == alone
+    assert len({tuple(a) for a in alone}) > 1  # the tiers really differ
