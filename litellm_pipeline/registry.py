@@ -120,6 +120,8 @@ def load_plugins(force: bool = False) -> dict[str, str]:
         if _plugins_loaded and not force:
             return dict(_broken)
         _plugins_loaded = True
+        if force:
+            _broken.clear()
         for ep in _entry_points(PLUGIN_GROUP):
             try:
                 obj = ep.load()
@@ -132,6 +134,9 @@ def load_plugins(force: bool = False) -> dict[str, str]:
             for ep in _entry_points(f"litellm_pipeline.{kind}"):
                 if ep.name not in _entries[kind]:
                     _lazy[kind][ep.name] = ep
+                elif getattr(_entries[kind][ep.name], "__module__", None) != ep.module:
+                    _broken[f"{kind}:{ep.name}"] = f"duplicate {kind} name {ep.name!r} (from {ep.value})"
+                    warnings.warn(f"litellm_pipeline plugin entry {ep.value!r}: duplicate {kind} name {ep.name!r}", stacklevel=2)
         return dict(_broken)
 
 
@@ -168,7 +173,7 @@ def get(kind: str, name: str) -> Any:
         mod_name, _, attr = name.partition(":")
         try:
             obj = getattr(importlib.import_module(mod_name), attr)
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:  # any import-time failure becomes one error naming the entry
             raise RegistryError(f"{kind} {name!r}: cannot import {attr!r} from {mod_name!r}: {exc}") from exc
         return obj
     known = names(kind)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 from typing import Sequence
 
+import torch
+
 from litellm_pipeline.engine.request import Request, RequestOutput, RequestStatus
 from litellm_pipeline.engine.runtime import Runtime
 from litellm_pipeline.sampling import SamplingParams
@@ -58,7 +60,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step over every running request; returns the deltas it produced."""
-        with self._lock:
+        with self._lock, torch.inference_mode():
             schedule = self.rt.scheduler.schedule()
             if not schedule:
                 return []

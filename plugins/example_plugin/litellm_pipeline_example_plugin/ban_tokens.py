@@ -41,5 +41,6 @@ class BanTokens(Stage):
         logits = ctx.logits
         if logits is None or self.token_ids.numel() == 0:  # no row is sampled this step
             return
-        # decode hands over a fresh [R, V] tensor that only sample reads after us: edit it in place
-        logits.index_fill_(1, self.token_ids, float("-inf"))
+        # out of place: decode's logits may be an inference-mode tensor, which cannot be edited in place
+        # outside inference mode (and need not be the only reference to them)
+        ctx.logits = logits.index_fill(1, self.token_ids, float("-inf"))
