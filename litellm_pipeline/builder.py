@@ -18,6 +18,7 @@ from litellm_pipeline.config_schema import AppConfig, PipelineSection, TierSecti
 from litellm_pipeline.demo_model import ensure_demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine
+from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool
 from litellm_pipeline.engine.request import TierSet
 from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes_per_block
 from litellm_pipeline.errors import ConfigError
@@ -136,7 +137,11 @@ def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
 
 def build_from_app(app: AppConfig) -> Engine:
     classes = stage_classes(app.pipeline)
-    sched_cls = registry.get("scheduler", app.engine.scheduler)
+    try:
+        sched_cls = registry.get("scheduler", app.engine.scheduler)
+        registry.get("kv_policy", app.cache.kv_policy)
+    except registry.RegistryError as exc:
+        raise ConfigError(f"engine.scheduler / cache.kv_policy: {exc}") from exc
     device = resolve_device(app.device.type)
     dtype = DTYPES[app.device.dtype]
     if app.device.threads:
@@ -163,14 +168,33 @@ def build_from_app(app: AppConfig) -> Engine:
         wanted = app.engine.max_num_seqs * math.ceil(max_len / bs)
         affordable = int(app.cache.memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
         num_blocks = max(1, min(wanted, affordable))
-    pool = BlockPool(num_blocks)
-    scheduler = sched_cls(pool, bs, app.engine.max_num_seqs, app.engine.max_num_batched_tokens)
+    policy_cls = registry.get("kv_policy", app.cache.kv_policy)
+    pool = BlockPool(num_blocks, policy=policy_cls())
+    hot_kv = allocate_kv_cache(mc, num_blocks, bs, dtype, device)
+    warm_blocks = app.cache.warm_blocks
+    if warm_blocks is None:
+        warm_blocks = int(app.cache.warm_memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
+    warm = None
+    if warm_blocks > 0:
+        warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda")
+        warm = WarmPool(warm_blocks, warm_kv, bs, policy_cls())
+    kv = KVCacheManager(
+        pool,
+        hot_kv,
+        bs,
+        warm,
+        prefix_caching=app.cache.enable_prefix_caching,
+        session_ttl_s=app.cache.session_ttl_s,
+        max_sessions=app.cache.max_sessions,
+    )
+    scheduler = sched_cls(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption)
     rt = Runtime(
         model=model,
         model_cfg=mc,
         tokenizer=tokenizer,
-        kv_caches=allocate_kv_cache(mc, num_blocks, bs, dtype, device),
+        kv_caches=hot_kv,
         pool=pool,
+        kv=kv,
         scheduler=scheduler,
         block_size=bs,
         max_model_len=max_len,

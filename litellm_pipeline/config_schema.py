@@ -72,12 +72,19 @@ class EngineSection(_Section):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     scheduler: str = "fcfs"
+    preemption: Literal["recompute", "swap"] = "recompute"
 
 
 class CacheSection(_Section):
     block_size: int = Field(default=16, ge=1, le=1024)
     num_blocks: int | None = Field(default=None, ge=1)
     memory_gb: float = Field(default=2.0, gt=0)
+    enable_prefix_caching: bool = True
+    kv_policy: str = "lru"
+    warm_blocks: int | None = Field(default=None, ge=0)
+    warm_memory_gb: float = Field(default=0.0, ge=0)
+    session_ttl_s: float = Field(default=600.0, gt=0)
+    max_sessions: int = Field(default=64, ge=0)
 
 
 class AppConfig(_Section):
@@ -92,6 +99,8 @@ class AppConfig(_Section):
     sampling: dict[str, Any] = {}
     engine: EngineSection = EngineSection()
     cache: CacheSection = CacheSection()
+    # task-specific sections: validated by the task that reads them
+    bench: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         try:

@@ -50,14 +50,17 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "litellm_pipeline"
 
 
-def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+def random_weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random tensors under the Hugging Face names of a Llama / Mistral / Mixtral ``config.json``."""
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:  # scaled so activations neither vanish nor explode
         return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
 
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    hd, nh, nkv, e = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_local_experts"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    experts = cfg.get("num_local_experts", 0)
     out = {"model.embed_tokens.weight": torch.randn(v, h, generator=g), "model.norm.weight": torch.ones(h)}
     for li in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{li}."
@@ -67,28 +70,34 @@ def _weights(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
         out[p + "self_attn.k_proj.weight"] = w(nkv * hd, h)
         out[p + "self_attn.v_proj.weight"] = w(nkv * hd, h)
         out[p + "self_attn.o_proj.weight"] = w(h, nh * hd)
-        out[p + "block_sparse_moe.gate.weight"] = w(e, h)
-        for x in range(e):
-            q = f"{p}block_sparse_moe.experts.{x}."
-            out[q + "w1.weight"] = w(i, h)
-            out[q + "w3.weight"] = w(i, h)
-            out[q + "w2.weight"] = w(h, i)
-    out["lm_head.weight"] = w(v, h) * 4.0  # peaked next-token distributions, so greedy text is stable
+        if experts:
+            out[p + "block_sparse_moe.gate.weight"] = w(experts, h)
+            for x in range(experts):
+                q = f"{p}block_sparse_moe.experts.{x}."
+                out[q + "w1.weight"] = w(i, h)
+                out[q + "w3.weight"] = w(i, h)
+                out[q + "w2.weight"] = w(h, i)
+        else:
+            out[p + "mlp.gate_proj.weight"] = w(i, h)
+            out[p + "mlp.up_proj.weight"] = w(i, h)
+            out[p + "mlp.down_proj.weight"] = w(h, i)
+    if not cfg.get("tie_word_embeddings", False):
+        out["lm_head.weight"] = w(v, h) * 4.0  # peaked next-token distributions, so greedy text is stable
     return out
 
 
-def ensure_demo_checkpoint(seed: int = 0) -> Path:
-    """Return the demo checkpoint directory for ``seed``, writing it first if it is not cached yet."""
-    target = cache_root() / f"demo-moe-v{DEMO_VERSION}-seed{seed}"
+def write_random_checkpoint(target: Path, cfg: dict, seed: int, tokenizer=None) -> Path:
+    """Write ``cfg`` with seeded random weights as a Hugging Face checkpoint directory (atomically)."""
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(DEMO_CONFIG, indent=2))
-        (tmp / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1}))
-        build_byte_tokenizer().save(tmp)
-        save_file(_weights(DEMO_CONFIG, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        gen = {"bos_token_id": cfg.get("bos_token_id"), "eos_token_id": cfg.get("eos_token_id")}
+        (tmp / "generation_config.json").write_text(json.dumps(gen))
+        (tokenizer or build_byte_tokenizer()).save(tmp)
+        save_file(random_weights(cfg, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
             tmp.rename(target)  # atomic: concurrent first runs never see a half-written directory
         except OSError:
@@ -98,3 +107,8 @@ def ensure_demo_checkpoint(seed: int = 0) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_demo_checkpoint(seed: int = 0) -> Path:
+    """Return the demo checkpoint directory for ``seed``, writing it first if it is not cached yet."""
+    return write_random_checkpoint(cache_root() / f"demo-moe-v{DEMO_VERSION}-seed{seed}", DEMO_CONFIG, seed)

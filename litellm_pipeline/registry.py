@@ -57,6 +57,7 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.routing",
     "litellm_pipeline.sampler",
     "litellm_pipeline.engine.scheduler",
+    "litellm_pipeline.engine.kv_policy",
     "litellm_pipeline.stages",
 )
 

@@ -38,11 +38,12 @@ class Engine:
         tier: str | None = None,
         salt: str = "",
         priority: int = 0,
+        session_id: str | None = None,
     ) -> Request:
         """Run the request-level stages; a request that fails any of them leaves nothing behind."""
         params = params or SamplingParams()
         ids = self.rt.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        req = Request(prompt_ids=ids, params=params, tier=tier, salt=salt, priority=priority)
+        req = Request(prompt_ids=ids, params=params, tier=tier, salt=salt, priority=priority, session_id=session_id)
         if request_id is not None:
             req.request_id = request_id
         with self._lock:
@@ -79,10 +80,15 @@ class Engine:
             req = self.requests.pop(request_id, None)
             if req is None:
                 return None
+            req.finish_reason = "abort"
             self.rt.scheduler.finish(req)
             req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
             return request_output(req)
+
+    def end_session(self, session_id: str) -> bool:
+        """Release a session's pinned KV now (it also expires after ``cache.session_ttl_s``)."""
+        with self._lock:
+            return self.rt.kv.end_session(session_id)
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -37,7 +37,8 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     tier: str | None = None  # requested tier name (None: the select_tier stage decides)
     salt: str = ""  # isolates cached KV between tenants
-    priority: int = 0
+    priority: int = 0  # lower value = served first (priority scheduler)
+    session_id: str | None = None  # keep this conversation's KV pinned after the request ends
     arrival: float = field(default_factory=time.monotonic)
     # filled by the pipeline
     tierset: TierSet | None = None
@@ -48,6 +49,11 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     num_computed: int = 0  # tokens of prompt+output whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
+    num_registered: int = 0  # leading blocks already findable in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    swapped_slots: list[int] | None = None  # warm-pool slots while preempted by swap
+    num_preemptions: int = 0
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
@@ -87,4 +93,5 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None
     tier: str | None = None
+    num_cached_tokens: int = 0
     error: str | None = None

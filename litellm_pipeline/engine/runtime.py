@@ -20,6 +20,7 @@ class Runtime:
     tokenizer: Tokenizer
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     pool: BlockPool
+    kv: object  # KVCacheManager
     scheduler: object
     block_size: int
     max_model_len: int
@@ -30,14 +31,18 @@ class Runtime:
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, pin: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One flat K and one flat V tensor per layer: ``[num_blocks * block_size, kv_heads, head_dim]``."""
+    """One flat K and one flat V tensor per layer: ``[num_blocks * block_size, kv_heads, head_dim]``.
+
+    ``pin``: page-locked host memory (the warm tier of a CUDA engine), so copies to the device are fast.
+    """
     shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(cfg.num_layers)
-    ]
+
+    def alloc() -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+
+    return [(alloc(), alloc()) for _ in range(cfg.num_layers)]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

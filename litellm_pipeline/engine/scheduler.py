@@ -3,15 +3,20 @@
 A step's plan is ``[(request, num_new_tokens), ...]`` (the vLLM-v1 shape): a request mid-prompt gets a
 chunk, a generating request gets one token, all under ``max_num_batched_tokens`` and ``max_num_seqs``.
 Prefill and decode are not separate phases: a running request simply has ``num_tokens - num_computed``
-tokens left to compute. KV blocks are allocated here; when they run out the newest running request is
-preempted by recompute (its blocks freed, its tokens recomputed later with identical results).
+tokens left to compute, and a new one first takes whatever prefix the KV cache already holds.
+
+When hot KV blocks run out, the least important running request (see ``victim``) is preempted: by
+``swap`` (its blocks parked in the warm pool, restored on resume) or by ``recompute`` (blocks freed, its
+tokens recomputed later, partly from the prefix cache). Either way it resumes with identical output.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
+from typing import Literal
 
-from litellm_pipeline.engine.block_pool import BlockPool
+from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request, RequestStatus
 from litellm_pipeline.registry import register
 
@@ -22,44 +27,68 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 @register("scheduler", "fcfs")
 class FcfsScheduler:
-    """First come, first served; preempts the newest running request when KV blocks run out."""
+    """First come, first served; the newest running request is preempted first."""
 
-    def __init__(self, pool: BlockPool, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
-        self.pool = pool
-        self.block_size = block_size
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        preemption: Literal["recompute", "swap"] = "recompute",
+    ):
+        self.kv = kv
+        self.pool = kv.hot
+        self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption = preemption
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
 
+    # ---- ordering policy (subclasses change these two)
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def requeue(self, req: Request) -> None:
+        """A preempted request goes back ahead of newer arrivals."""
+        self.waiting.appendleft(req)
+
+    def _add_running(self, req: Request) -> None:
+        self.running.append(req)
+
+    def victim(self) -> Request:
+        """The running request to preempt: always the last of ``running`` (not yet scheduled this step)."""
+        return self.running[-1]
+
+    # ----
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _grow(self, req: Request, upto: int) -> bool:
-        """Give ``req`` blocks for its first ``upto`` tokens; False if the pool cannot."""
-        need = blocks_for(upto, self.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if not self.pool.can_allocate(need):
-            return False
-        req.block_ids.extend(self.pool.allocate(need))
+    def preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.kv.commit(req)
+        if self.preemption == "swap" and self.kv.swap_out(req):
+            self.num_swaps += 1
+        else:
+            self.kv.free(req)
+            req.num_computed = 0
+        self.requeue(req)
+
+    def _start(self, req: Request) -> bool:
+        """Bring a waiting request's KV into the hot pool: swapped blocks back, or its cached prefix."""
+        if req.swapped_slots is not None:
+            return self.kv.swap_in(req)
+        if not req.block_ids:
+            req.num_computed = self.kv.acquire_prefix(req)
         return True
 
-    def preempt(self, req: Request) -> None:
-        """Recompute preemption: free its KV; it waits at the front and recomputes prompt + output so far."""
-        self.running.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
-        req.num_computed = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
-
     def schedule(self) -> list[tuple[Request, int]]:
+        self.kv.expire_sessions()
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
         preempted = False
@@ -67,34 +96,64 @@ class FcfsScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self._grow(req, req.num_computed + n):
-                victim = self.running[-1]
+            while not self.kv.grow(req, req.num_computed + n):
+                victim = self.victim()
                 self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                break
+                continue  # it was preempted (and removed): the same index now holds the next one
             plan.append((req, n))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if not self._start(req):
+                break
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, req.num_computed + n):
+            if not self.kv.grow(req, req.num_computed + n):
+                if req.num_preemptions == 0 or self.preemption == "recompute":
+                    self.kv.free(req)  # do not sit on cached prefix blocks while waiting
+                    req.num_computed = 0
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._add_running(req)
             plan.append((req, n))
             budget -= n
         return plan
 
     def finish(self, req: Request) -> None:
-        """Take a finished or aborted request out and give its blocks back."""
+        """Take a finished or aborted request out and give its blocks back (pinning a session's prefix)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        self.kv.commit(req)
+        if req.session_id is not None and req.finish_reason not in (None, "abort"):
+            self.kv.pin_session(req.session_id, req)
+        self.kv.free(req)
+
+
+@register("scheduler", "priority")
+class PriorityScheduler(FcfsScheduler):
+    """Lowest ``priority`` value first (ties: earliest arrival); preempts the highest value, then newest.
+
+    ``running`` is kept in that order too, so the victim (its last entry) is never a request already
+    scheduled earlier in the same step.
+    """
+
+    @staticmethod
+    def _key(req: Request) -> tuple:
+        return (req.priority, req.arrival)
+
+    def add(self, req: Request) -> None:
+        keys = [self._key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._key(req)), req)
+
+    def requeue(self, req: Request) -> None:
+        self.add(req)
+
+    def _add_running(self, req: Request) -> None:
+        bisect.insort(self.running, req, key=self._key)

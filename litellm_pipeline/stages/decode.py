@@ -62,6 +62,7 @@ class Decode(Stage):
         for req, n in ctx.schedule:
             row += n
             req.num_computed += n
+            rt.kv.commit(req)  # newly full blocks become replayable prefixes
             if req.num_computed == req.num_tokens:  # caught up: its next token is sampled now
                 rows.append(row - 1)
                 reqs.append(req)

@@ -21,6 +21,7 @@ def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | No
         finish_reason=req.finish_reason,
         logprobs=req.logprobs,
         tier=req.tierset.name if req.tierset else None,
+        num_cached_tokens=req.num_cached_tokens,
     )
 
 
