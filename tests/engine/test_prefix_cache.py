@@ -1,0 +1,179 @@
+"""Replayable prefixes, hot/warm KV tiers, swap preemption, priority scheduling and sessions."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+
+import pytest
+
+from hf_models import random_prompts
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.engine.block_pool import BlockPool
+from litellm_pipeline.engine.kv_cache_manager import hash_block
+from litellm_pipeline.engine.kv_policy import LFUPolicy, LRUPolicy
+from litellm_pipeline.errors import ConfigError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def run(llm, prompt, params=GREEDY, **kw):
+    req = llm.engine.add_request(prompt, params, **kw)
+    while True:
+        for out in llm.engine.step():
+            if out.request_id == req.request_id and out.finished:
+                return out
+
+
+@pytest.fixture(scope="module")
+def ckpt(hf_checkpoint):
+    return str(hf_checkpoint("mixtral"))
+
+
+@pytest.fixture(scope="module")
+def fresh(ckpt):
+    """Reference outputs from an engine without any prefix cache."""
+    llm = LLM(model=ckpt, **{"cache.enable_prefix_caching": False})
+    return lambda prompt, params=GREEDY: run(llm, prompt, params).token_ids
+
+
+def test_block_hash_is_chained_salted_sha256():
+    toks = [5, 6, 7, 8]
+    expect = hashlib.sha256(b"")
+    expect.update(b"tenant-a\x00")
+    expect.update(array("q", toks).tobytes())
+    assert hash_block(b"", toks, "tenant-a") == expect.digest()
+    assert hash_block(b"", toks, "tenant-b") != hash_block(b"", toks, "tenant-a")
+    h1 = hash_block(b"", toks, "")
+    assert hash_block(h1, toks, "") != hash_block(hash_block(b"", [9, 9, 9, 9], ""), toks, "")
+
+
+@pytest.mark.parametrize("policy_cls", [LRUPolicy, LFUPolicy])
+def test_block_pool_keeps_freed_hashed_blocks_until_evicted(policy_cls):
+    evicted = []
+    pool = BlockPool(4, policy=policy_cls(), on_evict=lambda b, h: evicted.append(h))
+    a, b = pool.allocate(2)
+    pool.register(a, b"A")
+    pool.register(b, b"B")
+    pool.free([a, b])
+    assert pool.num_free == 4 and pool.lookup(b"A") == a and pool.is_empty()
+    pool.acquire(a)  # a prefix hit takes it back
+    assert pool.ref_counts[a] == 1 and pool.num_free == 3
+    pool.free([a])
+    new = pool.allocate(3)  # 2 never-cached blocks first, then one eviction
+    assert len(evicted) == 1 and len(set(new)) == 3
+    pool.free(new)
+    assert pool.is_empty()
+
+
+def test_lru_and_lfu_choose_different_victims():
+    for cls, expect in ((LRUPolicy, 1), (LFUPolicy, 2)):
+        p = cls()
+        p.hit(1)  # block 1 was reused once; block 2 never
+        p.add(1)
+        p.add(2)
+        assert p.pop() == expect, cls.__name__
+
+
+def test_prefix_hit_skips_prefill_and_keeps_output(ckpt, fresh):
+    llm = LLM(model=ckpt, block_size=16)
+    shared = random_prompts((70,), seed=11)[0]
+    a = run(llm, shared + [40, 41, 42])
+    assert a.num_cached_tokens == 0
+    b = run(llm, shared + [50, 51])
+    assert b.num_cached_tokens == 64  # 4 full blocks of the 70 shared tokens
+    assert b.token_ids == fresh(shared + [50, 51])
+    again = run(llm, shared + [40, 41, 42])  # whole prompt cached but one block recomputed for logits
+    assert again.num_cached_tokens == 64 and again.token_ids == a.token_ids
+    assert llm.engine.rt.pool.is_empty()
+
+
+def test_tenants_never_share_blocks(ckpt):
+    llm = LLM(model=ckpt, block_size=16)
+    p = random_prompts((40,), seed=12)[0]
+    run(llm, p, salt="tenant-a")
+    assert run(llm, p, salt="tenant-b").num_cached_tokens == 0
+    assert run(llm, p, salt="tenant-a").num_cached_tokens == 32
+
+
+def test_prefix_caching_can_be_turned_off(ckpt):
+    llm = LLM(model=ckpt, **{"cache.enable_prefix_caching": False})
+    p = random_prompts((40,), seed=13)[0]
+    run(llm, p)
+    assert run(llm, p).num_cached_tokens == 0
+
+
+def test_evicted_prefix_comes_back_from_the_warm_tier(ckpt, fresh):
+    llm = LLM(model=ckpt, block_size=8, num_blocks=12, **{"cache.warm_blocks": 16})
+    kv = llm.engine.rt.kv
+    shared = random_prompts((40,), seed=14)[0]
+    run(llm, shared + [7])  # 5 full blocks cached in the hot pool
+    for filler in random_prompts((80, 80), seed=15):  # pressure: evicts them, warm keeps them
+        run(llm, filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert llm.engine.rt.pool.num_evictions > 0 and len(kv.warm.cached) > 0
+    assert kv.hot.lookup(kv.block_hashes(llm.engine.add_request(shared, GREEDY), 8)[0]) is None
+    llm.engine.abort(next(iter(llm.engine.requests)))
+    out = run(llm, shared + [9])
+    assert out.num_cached_tokens == 40
+    assert out.token_ids == fresh(shared + [9])
+    assert llm.engine.rt.pool.is_empty() and kv.warm.held == 0
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_keeps_outputs(ckpt, fresh, mode):
+    llm = LLM(model=ckpt, block_size=4, num_blocks=24, **{"engine.preemption": mode, "cache.warm_blocks": 64})
+    prompts = random_prompts((20, 28, 12, 33), seed=16)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    sched = llm.engine.rt.scheduler
+    assert sched.num_preemptions > 0
+    assert (sched.num_swaps > 0) == (mode == "swap")
+    assert [o.token_ids for o in outs] == [fresh(p, params) for p in prompts]
+    assert llm.engine.rt.pool.is_empty() and llm.engine.rt.kv.warm.held == 0
+
+
+def test_priority_scheduler_serves_lower_values_first(ckpt):
+    llm = LLM(model=ckpt, max_num_seqs=1, **{"engine.scheduler": "priority"})
+    prompts = random_prompts((6, 6, 6), seed=17)
+    ids = [llm.engine.add_request(p, GREEDY, priority=prio).request_id for p, prio in zip(prompts, (5, 0, 2))]
+    order = []
+    while llm.engine.has_unfinished():
+        order += [o.request_id for o in llm.engine.step() if o.finished]
+    assert order == [ids[1], ids[2], ids[0]]
+    fcfs = LLM(model=ckpt, max_num_seqs=1)
+    ids = [fcfs.engine.add_request(p, GREEDY, priority=prio).request_id for p, prio in zip(prompts, (5, 0, 2))]
+    order = []
+    while fcfs.engine.has_unfinished():
+        order += [o.request_id for o in fcfs.engine.step() if o.finished]
+    assert order == ids
+
+
+def test_session_keeps_the_conversation_hot(ckpt):
+    llm = LLM(model=ckpt, block_size=8, **{"cache.session_ttl_s": 0.5})
+    pool = llm.engine.rt.pool
+    turn1 = random_prompts((30,), seed=18)[0]
+    out1 = run(llm, turn1, session_id="chat-1")
+    assert not pool.is_empty()  # pinned for the next turn
+    turn2 = turn1 + out1.token_ids + [60, 61, 62]
+    out2 = run(llm, turn2, session_id="chat-1")
+    assert out2.num_cached_tokens == (len(turn1) + len(out1.token_ids)) // 8 * 8
+    assert llm.engine.end_session("chat-1") and pool.is_empty()
+    run(llm, turn1, session_id="chat-2")
+    time.sleep(0.6)
+    llm.engine.rt.scheduler.schedule()  # each step first expires old sessions
+    assert pool.is_empty()
+
+
+def test_unknown_kv_policy_lists_known(ckpt):
+    with pytest.raises(ConfigError) as exc:
+        LLM(model=ckpt, **{"cache.kv_policy": "mru"})
+    assert "mru" in str(exc.value) and "lru" in str(exc.value) and "lfu" in str(exc.value)
+
+
+def test_lfu_policy_runs_end_to_end(ckpt, fresh):
+    llm = LLM(model=ckpt, block_size=8, num_blocks=16, **{"cache.kv_policy": "lfu"})
+    prompts = random_prompts((30, 50, 30), seed=19)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [fresh(p) for p in prompts]
+    assert llm.engine.rt.pool.is_empty()
