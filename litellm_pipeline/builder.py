@@ -53,12 +53,19 @@ def resolve_tiers(tiers: Mapping[str, TierSection], mc: ModelConfig) -> dict[str
         if not mc.is_moe:
             out[name] = TierSet(name, 0, t.cost)
             continue
-        n = mc.num_experts
-        k = mc.experts_per_token if t.experts_per_token is None else n if t.experts_per_token == "all" else t.experts_per_token
+        n, native, spec = mc.num_experts, mc.experts_per_token, t.experts_per_token
+        if spec == "native":
+            k = native
+        elif spec == "all":
+            k = n
+        elif isinstance(spec, str):  # "<m>x": a multiple of the native top-k, as far as the model goes
+            k = min(n, native * int(spec[:-1]))
+        else:
+            k = spec
         if k > n:
             raise ConfigError(
                 f"tiers.{name}.experts_per_token: {k} exceeds the model's {n} experts "
-                f"(allowed 1..{n}, null = the checkpoint's top-{mc.experts_per_token}, or 'all')"
+                f"(allowed 1..{n}, 'native' = the checkpoint's top-{native}, '<m>x', or 'all')"
             )
         allowed = None
         if t.allowed_experts is not None:

@@ -57,14 +57,18 @@ class PipelineSection(_Section):
 
 
 class TierSection(_Section):
-    experts_per_token: int | Literal["all"] | None = Field(default=None)
+    experts_per_token: int | str = "native"
     cost: float = Field(default=1.0, ge=0)
     allowed_experts: list[int] | None = None
 
     @model_validator(mode="after")
-    def _positive(self) -> "TierSection":
-        if isinstance(self.experts_per_token, int) and self.experts_per_token < 1:
-            raise ValueError(f"experts_per_token must be >= 1, null or 'all' (got {self.experts_per_token})")
+    def _valid_count(self) -> "TierSection":
+        k = self.experts_per_token
+        ok = (isinstance(k, int) and k >= 1) or k in ("native", "all") or (
+            isinstance(k, str) and k.endswith("x") and k[:-1].isdigit() and int(k[:-1]) >= 1
+        )
+        if not ok:
+            raise ValueError(f"experts_per_token must be an int >= 1, 'native', '<n>x' or 'all' (got {k!r})")
         return self
 
 

@@ -28,7 +28,7 @@ def test_generate_on_the_embedded_default_model(tmp_path):
     assert len(rows) == 3  # the demo prompts
     for prompt_toks, out_toks, finish, tier, tps in rows:
         assert int(prompt_toks) > 0 and 1 <= int(out_toks) <= 8 and finish in ("stop", "length")
-        assert tier == "deep" and float(tps) > 0
+        assert tier == "balanced" and float(tps) > 0
 
 
 def test_generate_on_a_local_checkpoint_with_sampling_overrides(hf_checkpoint, tmp_path):

@@ -28,6 +28,7 @@ def _build(*overrides: str, model=None):
         ("sampling.temperature=-1", ["sampling.temperature", ">= 0", "<= 100", "-1"]),
         ("sampling.top_p=0", ["sampling.top_p"]),
         ("tiers.fast.experts_per_token=0", ["tiers.fast", "experts_per_token", ">= 1"]),
+        ("tiers.fast.experts_per_token=lots", ["tiers.fast", "lots", "native"]),
         ("tiers.fast.cost=-2", ["tiers.fast.cost", ">= 0"]),
     ],
 )
@@ -118,3 +119,14 @@ def test_cuda_requested_without_a_gpu(tmp_path):
     with pytest.raises(ConfigError) as exc:
         _build("device=cuda", model=tmp_path)
     assert "device.type" in str(exc.value) and "cuda" in str(exc.value)
+
+
+def test_tier_spellings_resolve_against_the_checkpoint(hf_checkpoint):
+    from litellm_pipeline.builder import resolve_tiers
+    from litellm_pipeline.config_schema import TierSection
+    from litellm_pipeline.model.loader import load_model_config
+
+    mc = load_model_config(hf_checkpoint("mixtral"))  # 4 experts, top-2
+    specs = {"a": 1, "b": "native", "c": "2x", "d": "3x", "e": "all"}
+    tiers = resolve_tiers({k: TierSection(experts_per_token=v) for k, v in specs.items()}, mc)
+    assert [tiers[k].experts_per_token for k in "abcde"] == [1, 2, 4, 4, 4]

@@ -68,10 +68,10 @@ def test_tier_changes_moe_routing_but_not_dense(hf_checkpoint):
     """select_tier's fixed tier is honoured: top-1 routing changes a MoE model's output."""
     prompt = list(range(3, 40))
     moe = str(hf_checkpoint("mixtral"))
-    deep = LLM(model=moe).generate(prompt, GREEDY)[0]
+    native = LLM(model=moe).generate(prompt, GREEDY)[0]
     fast = LLM(model=moe, tier="fast").generate(prompt, GREEDY)[0]
-    assert deep.tier == "deep" and fast.tier == "fast"
-    assert deep.token_ids != fast.token_ids
+    assert native.tier == "balanced" and fast.tier == "fast"
+    assert native.token_ids != fast.token_ids
     llm = LLM(model=moe)
     per_request = llm.generate(prompt, GREEDY, tier="fast")[0]
     assert per_request.token_ids == fast.token_ids and per_request.tier == "fast"
@@ -81,7 +81,7 @@ def test_mixed_tiers_in_one_batch_match_each_alone(hf_checkpoint):
     moe = str(hf_checkpoint("qwen2_moe"))
     llm = LLM(model=moe)
     prompts = [list(range(3, 3 + n)) for n in (9, 21, 33)]
-    tiers = ["fast", "deep", "max"]
+    tiers = ["fast", "balanced", "max"]
     alone = [llm.generate(p, GREEDY, tier=t)[0].token_ids for p, t in zip(prompts, tiers)]
     reqs = [llm.engine.add_request(p, GREEDY, tier=t) for p, t in zip(prompts, tiers)]
     done = {}

@@ -17,7 +17,7 @@ class SelectTier(Stage):
     inputs = ("admitted",)
     outputs = ("tierset",)
 
-    def __init__(self, rt, mode: Literal["fixed"] = "fixed", tier: str = "deep"):
+    def __init__(self, rt, mode: Literal["fixed"] = "fixed", tier: str = "balanced"):
         super().__init__(rt)
         if mode != "fixed":
             raise ValueError(f"pipeline.stages.select_tier.params.mode: {mode!r} is not available; allowed: fixed")
