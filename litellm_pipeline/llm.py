@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 from omegaconf import OmegaConf
 
 from litellm_pipeline.builder import build_engine
-from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.engine.request import Request, RequestOutput
 from litellm_pipeline.hydra_config import compose
 from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.stages.emit import request_output
 
 # short keyword names for the config keys people set most
 ALIASES = {
@@ -61,6 +64,9 @@ class LLM:
         self.cfg = cfg
         self.engine = build_engine(cfg)
         self.tokenizer = self.engine.tokenizer
+        self._inbox: dict[str, deque] = {}
+        self._final_only: set[str] = set()
+        self._pump_lock = threading.RLock()
 
     def generate(
         self,
@@ -81,34 +87,70 @@ class LLM:
         try:
             for p, sp in zip(plist, plist_params):
                 reqs.append(self.engine.add_request(p, sp, tier=tier))
+                self._watch(reqs[-1], final_only=True)
         except Exception:
             for r in reqs:  # all or nothing: what was already admitted gives its memory back
                 self.engine.abort(r.request_id)
+                self._unwatch(r)
             raise
         final: dict[str, RequestOutput] = {}
         try:
-            while len(final) < len(reqs):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
+            for r in reqs:
+                while r.request_id not in final:
+                    for out in self._outputs_of(r):
+                        if out.finished:
+                            final[r.request_id] = out
         except BaseException:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
+        finally:
+            for r in reqs:
+                self._unwatch(r)
         return [final[r.request_id] for r in reqs]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, tier: str | None = None) -> Iterator[StreamDelta]:
         """Yield text deltas as tokens are made; closing the iterator early aborts the request."""
         req = self.engine.add_request(prompt, params or SamplingParams(), tier=tier)
+        self._watch(req)
         done = False
         try:
             while not done:
-                for out in self.engine.step():
-                    if out.request_id != req.request_id:
-                        continue
+                for out in self._outputs_of(req):
                     done = out.finished
                     if out.delta_text or out.delta_token_ids or done:
                         yield StreamDelta(out.delta_text, out.delta_token_ids, out.finish_reason)
         finally:
+            self._unwatch(req)
             if not done:
                 self.engine.abort(req.request_id)
+
+    # ---- output routing: whoever steps the engine delivers every watched request's outputs to its inbox,
+    # so concurrent generate/stream calls (threads, or interleaved iterators) never lose each other's output
+    def _watch(self, req: Request, final_only: bool = False) -> None:
+        with self._pump_lock:
+            self._inbox[req.request_id] = deque()
+            if final_only:
+                self._final_only.add(req.request_id)
+
+    def _unwatch(self, req: Request) -> None:
+        with self._pump_lock:
+            self._inbox.pop(req.request_id, None)
+            self._final_only.discard(req.request_id)
+
+    def _outputs_of(self, req: Request) -> list[RequestOutput]:
+        """The request's outputs not yet taken, stepping the engine only while there are none."""
+        rid = req.request_id
+        with self._pump_lock:
+            while True:
+                box = self._inbox[rid]
+                if box:
+                    items = list(box)
+                    box.clear()
+                    return items
+                if rid not in self.engine.requests:  # aborted elsewhere: report its end
+                    return [request_output(req)]
+                for out in self.engine.step():
+                    dest = self._inbox.get(out.request_id)
+                    if dest is not None and (out.finished or out.request_id not in self._final_only):
+                        dest.append(out)

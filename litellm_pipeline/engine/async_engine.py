@@ -1,0 +1,191 @@
+"""AsyncEngine: serves an ``Engine`` to asyncio code (the HTTP server) from one background stepping thread.
+
+One thread, the *engine loop*, steps the engine while it has work and sleeps on a condition otherwise; each
+request's deltas travel to the event loop that asked for them through ``call_soon_threadsafe`` into one
+``asyncio.Queue`` per request. Every ``generate`` call shares that loop, so concurrent requests batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Sequence
+
+from litellm_pipeline.engine.engine import Engine
+from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.sampling import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineStepError"]
+
+log = logging.getLogger(__name__)
+_ids = itertools.count()
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was in flight; ``__cause__`` is the original exception."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue  # RequestOutput deltas, or one exception that ends the stream
+
+
+class AsyncEngine:
+    """Asyncio front of an :class:`Engine`: ``start()``, ``generate(...)``, ``abort(id)``, ``shutdown()``.
+
+    Also an async context manager (``async with AsyncEngine(engine) as aeng: ...``). An exception raised by
+    one engine step fails only the requests in flight at that moment; the loop keeps serving new ones.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams: touched by the loop thread and by event loops
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        """Start the engine loop thread (a no-op if it already runs)."""
+        if self.running:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and wait for it; requests still in flight are aborted and their streams
+        raise. Idempotent."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            left = list(self._streams)
+        self._fail(left, lambda rid: RuntimeError(f"request {rid!r} aborted: the AsyncEngine was shut down"))
+
+    async def __aenter__(self) -> AsyncEngine:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        # joining waits for the current step to end; do it off the event loop
+        await asyncio.to_thread(self.shutdown)
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        tier: str | None = None,
+        salt: str = "",
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its deltas as the engine makes them, ending after the one with
+        ``finished=True``.
+
+        A rejected request raises its ``ValueError`` at the first iteration, before anything is queued.
+        Closing the iterator or cancelling the consuming task aborts the request and frees its KV at once.
+        A failed engine step raises :class:`EngineStepError`.
+        """
+        if not self.running:
+            raise RuntimeError("AsyncEngine is not running: call start() or use 'async with'")
+        rid = request_id if request_id is not None else f"async-{next(_ids)}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        # register before submitting: the loop thread may produce this request's first delta at once
+        with self._lock:
+            if rid in self._streams:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self._streams[rid] = stream
+        submitted = done = False
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, tier=tier, salt=salt, priority=priority)
+            submitted = True
+            with self._wake:
+                self._wake.notify()
+            while not done:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item  # the finally still aborts: the error may have raced our add_request
+                done = item.finished
+                yield item
+        finally:
+            with self._lock:
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+            if submitted and not done:
+                # synchronous on purpose: the blocks must be free when the consumer goes away, and the
+                # engine lock is held for one step at most
+                self.engine.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with a ``finish_reason="abort"`` delta. Unknown ids are ignored."""
+        out = self.engine.abort(request_id)
+        if out is not None:
+            self._deliver([out])
+
+    # ---- engine loop thread -------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and not self.engine.has_unfinished():
+                    self._wake.wait()
+                if self._stopping:
+                    return
+            with self._lock:
+                in_flight = list(self._streams)
+            try:
+                outs = self.engine.step()  # looked up each time: tests (and wrappers) may replace it
+            except Exception as exc:  # an engine error must not kill the server: fail this step's requests
+                log.exception("engine step failed; failing %d request(s) in flight", len(in_flight))
+                self._fail(in_flight, lambda rid: self._step_error(rid, exc))
+                continue
+            self._deliver(outs)
+            if not outs:
+                # a step may legitimately emit nothing (a prompt chunk), but if the scheduler can plan
+                # nothing either, don't spin: pause briefly (a new submission wakes us early)
+                with self._wake:
+                    if not self._stopping:
+                        self._wake.wait(0.001)
+
+    def _deliver(self, outs: list[RequestOutput]) -> None:
+        for out in outs:
+            with self._lock:
+                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if stream is None:
+                continue  # not ours (added straight to the engine) or its consumer already left
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            except RuntimeError:  # its event loop is closed: nobody will ever read this request
+                self.engine.abort(out.request_id)
+
+    @staticmethod
+    def _step_error(rid: str, exc: Exception) -> EngineStepError:
+        err = EngineStepError(f"request {rid!r} failed: engine step raised {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+
+    def _fail(self, request_ids: list[str], make_error: Callable[[str], BaseException]) -> None:
+        """Abort each request and make its stream raise ``make_error(request_id)``."""
+        for rid in request_ids:
+            self.engine.abort(rid)
+            with self._lock:
+                stream = self._streams.pop(rid, None)
+            if stream is None:
+                continue
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, make_error(rid))
+            except RuntimeError:  # its event loop is closed: nobody to tell
+                pass
