@@ -8,11 +8,43 @@ a request's result never depends on what else is in the batch.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
 from litellm_pipeline.model.batch import AttentionMetadata
 from litellm_pipeline.registry import register
+
+
+class _Workspace:
+    """Reused gather buffers: a fresh multi-MB tensor per layer costs page faults on every step."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def take(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        key = (name, like.dtype, like.device, like.shape[1:])
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape[1:]),
+                              dtype=like.dtype, device=like.device)
+            self._bufs[key] = buf
+        return buf[:rows]
+
+
+_local = threading.local()  # one workspace per thread: engines stepping in parallel threads never share it
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
+    """``cache[slots]`` (any index shape) into a reused buffer; the result is valid until the next call."""
+    flat = slots.reshape(-1)
+    ws = getattr(_local, "ws", None)
+    if ws is None:
+        ws = _local.ws = _Workspace()
+    out = ws.take(name, flat.shape[0], cache)
+    torch.index_select(cache, 0, flat, out=out)
+    return out.view(*slots.shape, *cache.shape[1:])
 
 
 def _prefill_mask(q_len: int, ctx_len: int, window: int | None, dtype, device) -> torch.Tensor | None:
@@ -49,8 +81,8 @@ def sdpa_paged_attention(
             ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
             vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
         else:
-            ks = k_cache[s.kv_slots].transpose(0, 1)
-            vs = v_cache[s.kv_slots].transpose(0, 1)
+            ks = gather_slots(k_cache, s.kv_slots, "k").transpose(0, 1)
+            vs = gather_slots(v_cache, s.kv_slots, "v").transpose(0, 1)
         mask = _prefill_mask(s.q_len, s.ctx_len, sliding_window, q.dtype, q.device)
         o = F.scaled_dot_product_attention(
             qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
@@ -59,8 +91,8 @@ def sdpa_paged_attention(
     if meta.decode_rows is not None:
         rows = meta.decode_rows
         qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = k_cache[meta.decode_kv_slots].transpose(1, 2)  # [B, Hk, L, D]
-        vd = v_cache[meta.decode_kv_slots].transpose(1, 2)
+        kd = gather_slots(k_cache, meta.decode_kv_slots, "k").transpose(1, 2)  # [B, Hk, L, D]
+        vd = gather_slots(v_cache, meta.decode_kv_slots, "v").transpose(1, 2)
         mask = meta.decode_mask(sliding_window, q.dtype)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(2)
