@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from litellm_pipeline import registry
 from litellm_pipeline.config_schema import AppConfig, PipelineSection, TierSection, validate_config
-from litellm_pipeline.demo_model import ensure_demo_checkpoint
+from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool
@@ -153,7 +153,7 @@ def build_from_app(app: AppConfig) -> Engine:
     dtype = DTYPES[app.device.dtype]
     if app.device.threads:
         torch.set_num_threads(app.device.threads)
-    path = app.model.path or ensure_demo_checkpoint(app.model.demo_seed)
+    path = app.model.path or demo_checkpoint()
     mc = load_model_config(path)
     tiers = resolve_tiers(app.tiers, mc)
     tokenizer = Tokenizer.from_dir(path)

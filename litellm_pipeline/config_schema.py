@@ -105,6 +105,8 @@ class AppConfig(_Section):
     cache: CacheSection = CacheSection()
     # task-specific sections: validated by the task that reads them
     bench: dict[str, Any] | None = None
+    train: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         try:

@@ -53,6 +53,7 @@ _lock = threading.RLock()
 # modules whose import registers the built-in entries
 _BUILTIN_MODULES = (
     "litellm_pipeline.model.attention",
+    "litellm_pipeline.model.attention_cpu",
     "litellm_pipeline.model.moe",
     "litellm_pipeline.routing",
     "litellm_pipeline.sampler",

@@ -33,17 +33,33 @@ def run_task(cfg: DictConfig) -> object:
 
 @task("generate")
 def generate(cfg: DictConfig) -> list:
-    """Generate for the prompt (or the demo prompts), print each text and one summary line per prompt."""
-    from litellm_pipeline.config_schema import validate_config
+    """Generate for the prompt (or the demo prompts), print each text and one summary line per prompt.
+
+    A prompt written in one of the demo skills' formats (``12+345=``, ``rev:abc=`` ...) is also checked: the
+    answer is marked ✓, or ✗ with the expected answer.
+    """
     from litellm_pipeline.builder import to_plain
+    from litellm_pipeline.config_schema import validate_config
+    from litellm_pipeline.demo import demo_prompts, solve
 
     params = validate_config(to_plain(cfg)).sampling_params()
     engine = build_engine(cfg)
     demo = cfg.model.path is None
-    prompts = [cfg.prompt] if cfg.prompt is not None else list(DEMO_PROMPTS)
+    if cfg.prompt is not None:
+        prompts = [cfg.prompt]
+    elif demo:
+        prompts = [ex.prompt for ex in demo_prompts(cfg.model.demo_seed)]
+    else:
+        prompts = list(DEMO_PROMPTS)
+    checks = [None if cfg.chat else solve(p) for p in prompts]
     if cfg.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    label = "embedded demo MoE (RANDOM weights: the text is noise)" if demo else str(cfg.model.path)
+    label = (
+        "embedded demo MoE (trained demo model: 4 layers, 8 experts, top-2; skills add, reverse, sort, copy, "
+        "recall; prompts held out from training)"
+        if demo
+        else str(cfg.model.path)
+    )
     print(f"model: {label}")
     t0 = time.perf_counter()
     reqs = [engine.add_request(p, params) for p in prompts]
@@ -55,10 +71,37 @@ def generate(cfg: DictConfig) -> list:
     elapsed = time.perf_counter() - t0
     results = [outs[r.request_id] for r in reqs]
     total_out = sum(len(o.token_ids) for o in results)
-    for prompt, r in zip(prompts, results):
-        print(f"\n>>> {prompt}\n{r.text}")
+    for prompt, r, check in zip(prompts, results, checks):
+        verdict = ""
+        if check is not None:
+            verdict = "   ✓" if r.text == check[1] else f"   ✗ (expected {check[1]})"
+        print(f"\n>>> {prompt}\n{r.text}{verdict}")
         print(
             f"[summary] prompt_tokens={len(r.prompt_token_ids)} output_tokens={len(r.token_ids)} "
             f"finish={r.finish_reason} tier={r.tier} tokens/s={total_out / elapsed:.1f} (batch of {len(reqs)})"
         )
     return results
+
+
+@task("bench")
+def bench(cfg: DictConfig) -> dict:
+    """Benchmark the engine against transformers and this machine's roofline (see litellm_pipeline.bench)."""
+    from litellm_pipeline.bench import run_bench
+
+    return run_bench(cfg)
+
+
+@task("train_demo")
+def train_demo(cfg: DictConfig) -> dict:
+    """Train the demo MoE on the skills corpus and write a Hugging Face checkpoint (see litellm_pipeline.demo)."""
+    from litellm_pipeline.demo.train import run_training
+
+    return run_training(cfg)
+
+
+@task("eval")
+def evaluate(cfg: DictConfig) -> dict:
+    """Exact-match accuracy per task and tier on held-out skills prompts; prints a table, writes eval.json."""
+    from litellm_pipeline.demo.evaluate import run_eval
+
+    return run_eval(cfg)

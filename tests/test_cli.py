@@ -22,12 +22,13 @@ SUMMARY = re.compile(r"\[summary\] prompt_tokens=(\d+) output_tokens=(\d+) finis
 
 
 def test_generate_on_the_embedded_default_model(tmp_path):
-    out = run_cli("+recipe=generate", "sampling.max_tokens=8", cwd=tmp_path).stdout
-    assert "RANDOM weights" in out
+    out = run_cli("+recipe=generate", "sampling.max_tokens=12", cwd=tmp_path).stdout
+    assert "trained demo model" in out
     rows = SUMMARY.findall(out)
-    assert len(rows) == 3  # the demo prompts
+    assert len(rows) == 5  # the demo prompts: one held-out prompt per skill, each answer checked
+    assert out.count("✓") + out.count("✗") == 5
     for prompt_toks, out_toks, finish, tier, tps in rows:
-        assert int(prompt_toks) > 0 and 1 <= int(out_toks) <= 8 and finish in ("stop", "length")
+        assert int(prompt_toks) > 0 and 1 <= int(out_toks) <= 12 and finish in ("stop", "length")
         assert tier == "balanced" and float(tps) > 0
 
 

@@ -1,0 +1,191 @@
+"""The benchmark behind ``+recipe=bench``: the engine vs ``transformers.generate`` and vs this machine's roofline.
+
+For every model x dtype: a seeded mixed workload through the engine (all requests at t=0) and through
+transformers (static left-padded batches, and one at a time), batch-1 decode against the bandwidth
+roofline, and TTFT with and without a prefix-cache hit. Prints two tables and writes ``bench.json``
+into the Hydra run directory. Modules: settings (the ``bench:`` section), models (checkpoints and
+parameter counts), roofline, workload, engine_runs, peer (transformers, imported lazily), machine
+(load while running), report (tables, JSON).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from litellm_pipeline.bench import engine_runs, peer, report
+from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
+from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
+from litellm_pipeline.bench.roofline import measure_roofline
+from litellm_pipeline.bench.settings import BenchSettings, bench_settings
+from litellm_pipeline.bench.workload import batch1_item, make_workload
+from litellm_pipeline.errors import ConfigError
+
+__all__ = ["run_bench", "BenchSettings"]
+
+
+def run_dir() -> Path:
+    """Hydra's run directory when inside a Hydra app, else the working directory."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        return Path.cwd()
+
+
+def engine_config(base: Mapping[str, Any], path: Path, dtype: str, overrides: Mapping[str, Any]) -> dict:
+    """The app config (without ``bench``) for one engine under test."""
+    cfg = OmegaConf.create(copy.deepcopy(dict(base)))
+    OmegaConf.set_struct(cfg, False)
+    OmegaConf.update(cfg, "model.path", str(path), merge=True)
+    OmegaConf.update(cfg, "device.dtype", dtype, merge=True)
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, merge=True)
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_len: int | None) -> None:
+    """Fail before any work when a length cannot fit a model's context."""
+    for name, cfg in models:
+        limit = min(cfg.get("max_position_embeddings", 2048), max_model_len or 10**9)
+        for what, need in (("prompt_len[1] + output_len[1]", s.prompt_len[1] + s.output_len[1]),
+                           ("batch1_prompt_len + batch1_output_len", s.batch1_prompt_len + s.batch1_output_len),
+                           ("prefix_len + prefix_suffix_len + 1", s.prefix_len + s.prefix_suffix_len + 1)):
+            if need > limit:
+                raise ConfigError(f"bench.{what} = {need} exceeds model {name}'s context of {limit} tokens")
+
+
+def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
+    per_run = 3 + s.num_requests + (1 if s.prefix_len else 0)
+    if s.peer:
+        per_run += 2 + s.num_requests + n_single
+    return 1 + n_models + n_models * len(s.dtypes) * per_run
+
+
+def _measure_one(name: str, path: Path, dtype: str, s: BenchSettings, base: dict, items, single_items,
+                 bar: tqdm, mon: CpuMonitor, device: str) -> dict:
+    from litellm_pipeline.builder import build_engine
+
+    tag = f"{name}/{dtype}"
+    row: dict[str, Any] = {"model": name, "dtype": dtype}
+    bar.set_description(f"{tag}: build engine")
+    engine = build_engine(engine_config(base, path, dtype, s.engine))
+    engine_runs.warmup(engine, s.warmup, s.seed)
+    bar.update()
+    mon.mark(f"{tag} engine build+warmup")
+    bar.set_description(f"{tag}: engine workload")
+    row["engine"] = engine_runs.run_workload(engine, items, on_finish=bar.update)
+    mon.mark(f"{tag} engine workload")
+    bar.set_description(f"{tag}: engine batch-1 decode")
+    b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
+    row["batch1"] = engine_runs.batch1_decode(engine, b1, s.batch1_repeats)
+    bar.update()
+    mon.mark(f"{tag} engine batch-1")
+    row["prefix"] = None
+    if s.prefix_len:
+        bar.set_description(f"{tag}: prefix-hit TTFT")
+        row["prefix"] = engine_runs.prefix_ttft(engine, s.prefix_len, s.prefix_suffix_len, s.seed)
+        bar.update()
+        mon.mark(f"{tag} prefix TTFT")
+    del engine
+    gc.collect()
+    bar.update()
+    row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
+    if s.peer:
+        bar.set_description(f"{tag}: load transformers")
+        model, err = peer.load_peer(path, dtype, device)
+        if model is None:
+            row["peer_error"] = err
+            bar.update(2 + s.num_requests + len(single_items))
+            return row
+        peer.warmup(model, s.warmup)
+        bar.update()
+        mon.mark(f"{tag} peer load+warmup")
+        bar.set_description(f"{tag}: transformers batched")
+        row["peer_batched"] = peer.run_batched(model, items, s.peer_batch_size, on_batch=bar.update)
+        mon.mark(f"{tag} peer batched")
+        bar.set_description(f"{tag}: transformers one at a time")
+        row["peer_single"] = peer.run_single(model, single_items, on_request=bar.update)
+        mon.mark(f"{tag} peer one-at-a-time")
+        bar.set_description(f"{tag}: transformers batch-1 decode")
+        row["peer_batch1"] = peer.batch1_decode(model, b1, s.batch1_repeats)
+        bar.update()
+        mon.mark(f"{tag} peer batch-1")
+        del model
+        gc.collect()
+    return row
+
+
+def run_bench(cfg: Any) -> dict:
+    """Run the bench for the composed config (its ``bench`` section); print the tables, write bench.json."""
+    plain = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else copy.deepcopy(dict(cfg))
+    s = bench_settings(plain.pop("bench", None))
+    # the engine's own sections stay as they are: the bench only sets model.path and device.dtype per run
+    base = plain
+    t_start = time.monotonic()
+    models = [resolve_model(m) for m in s.models]
+    if len({n for n, _ in models}) < len(models):
+        raise ConfigError(f"bench.models: names must be unique (got {[n for n, _ in models]})")
+    _check_lengths(s, models, (base.get("model") or {}).get("max_model_len"))
+    device_cfg = base.get("device") or {}
+    if device_cfg.get("threads"):
+        torch.set_num_threads(int(device_cfg["threads"]))
+    from litellm_pipeline.builder import resolve_device
+
+    device = str(resolve_device(device_cfg.get("type", "cpu")))
+    info = machine_info()
+    mon = CpuMonitor()
+    time.sleep(0.5)  # a quiet half second: what other processes use before we add our own load
+    mon.mark("idle check")
+    items = make_workload(s.num_requests, s.prompt_len, s.output_len, s.seed)
+    single_items = items[: s.peer_single_max_requests] if s.peer_single_max_requests else items
+    out = run_dir() / "bench.json"
+    result: dict[str, Any] = {"config": s.model_dump(mode="json"), "machine": info, "models": {}, "results": []}
+    with tqdm(total=_units(s, len(models), len(single_items)), file=sys.stderr, unit="step",
+              mininterval=0.5, dynamic_ncols=True) as bar:
+        bar.set_description("roofline")
+        rl = s.roofline
+        result["roofline"] = measure_roofline(list(s.dtypes), rl.bandwidth_mb, rl.gemm_size, rl.repeats, device)
+        bar.update()
+        mon.mark("roofline")
+        paths = {}
+        for name, mcfg in models:
+            bar.set_description(f"{name}: checkpoint")
+            paths[name] = ensure_checkpoint(name, mcfg, s.model_seed)
+            result["models"][name] = {**param_counts(mcfg), "path": str(paths[name])}
+            bar.update()
+        mon.mark("checkpoints")
+        for name, mcfg in models:
+            for dtype in s.dtypes:
+                first_phase = len(mon.phases)
+                row = _measure_one(name, paths[name], dtype, s, base, items, single_items, bar, mon, device)
+                row["params"] = result["models"][name]
+                row["busy"] = bool(mon.busy_phases(s.busy_cores, phases=mon.phases[first_phase:]))
+                report.derive(row, result["roofline"])
+                if row.get("peer_error"):
+                    result["peer_error"] = row["peer_error"]
+                result["results"].append(row)
+                _save(result, mon, s, t_start, out, complete=False)  # a stopped run keeps what it measured
+    _save(result, mon, s, t_start, out, complete=True)
+    print(report.render(result))
+    return result
+
+
+def _save(result: dict, mon: CpuMonitor, s: BenchSettings, t_start: float, out: Path, complete: bool) -> None:
+    result["machine"]["loadavg_end"] = loadavg()
+    result["phases"] = mon.phases
+    result["busy_phases"] = mon.busy_phases(s.busy_cores)
+    result["busy"] = bool(result["busy_phases"])
+    result["elapsed_s"] = time.monotonic() - t_start
+    result["complete"] = complete
+    result["json_path"] = str(out)
+    report.write_json(result, out)

@@ -1,0 +1,99 @@
+"""Timed runs through the engine under test: the mixed workload, batch-1 decode, and a prefix hit."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, Sequence
+
+from litellm_pipeline.bench.workload import WorkItem, latency_summary, random_ids
+from litellm_pipeline.sampling import SamplingParams
+
+_MAX_IDLE_STEPS = 1000  # steps that schedule nothing while requests are pending: the engine is stuck
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run_requests(engine, items: Sequence[WorkItem], on_finish: Callable[[], None] | None = None) -> list:
+    """Submit every item at once (t=0), step until all finish; returns the finished Request objects."""
+    reqs = [engine.add_request(list(it.prompt_ids), _greedy(it.output_len)) for it in items]
+    pending = {r.request_id for r in reqs}
+    idle = 0
+    while pending:
+        outs = engine.step()
+        idle = 0 if outs else idle + 1
+        if idle > _MAX_IDLE_STEPS:
+            raise RuntimeError(f"engine made no progress for {idle} steps with {len(pending)} requests pending")
+        for out in outs:
+            if out.finished and out.request_id in pending:
+                if out.error:
+                    raise RuntimeError(f"bench request {out.request_id} failed: {out.error}")
+                pending.discard(out.request_id)
+                if on_finish:
+                    on_finish()
+    return reqs
+
+
+def warmup(engine, n: int, seed: int) -> None:
+    if n:
+        rng = random.Random(seed ^ 0x5EED)
+        run_requests(engine, [WorkItem(tuple(random_ids(rng, 16)), 4) for _ in range(n)])
+
+
+def workload_metrics(reqs: Sequence, t0: float) -> dict:
+    """Throughput and latency of requests that were all submitted at ``t0`` (time.monotonic)."""
+    end = max(r.finish_time for r in reqs)
+    out_tokens = sum(len(r.output_ids) for r in reqs)
+    prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
+    ttft = [r.first_token_time - r.arrival for r in reqs]
+    tpot = [(r.finish_time - r.first_token_time) / (len(r.output_ids) - 1) for r in reqs if len(r.output_ids) > 1]
+    elapsed = max(end - t0, 1e-9)
+    return {
+        "requests": len(reqs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": out_tokens,
+        "elapsed_s": elapsed,
+        "output_tok_s": out_tokens / elapsed,
+        "total_tok_s": (prompt_tokens + out_tokens) / elapsed,
+        **latency_summary(ttft, tpot),
+    }
+
+
+def run_workload(engine, items: Sequence[WorkItem], on_finish: Callable[[], None] | None = None) -> dict:
+    t0 = time.monotonic()
+    reqs = run_requests(engine, items, on_finish)
+    metrics = workload_metrics(reqs, t0)
+    metrics["preemptions"] = getattr(engine.rt.scheduler, "num_preemptions", None)
+    return metrics
+
+
+def batch1_decode(engine, item: WorkItem, repeats: int) -> dict:
+    """One request alone: output tokens/s after the first token (pure decode), best of ``repeats``."""
+    best = float("inf")
+    for _ in range(repeats):
+        (r,) = run_requests(engine, [item])
+        best = min(best, (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1))
+    return {"prompt_len": len(item.prompt_ids), "output_len": item.output_len, "tpot_ms": best * 1e3, "tok_s": 1.0 / max(best, 1e-9)}
+
+
+def prefix_ttft(engine, prefix_len: int, suffix_len: int, seed: int) -> dict:
+    """TTFT of B (shares a ``prefix_len`` prefix with A, which ran to completion first) vs cold C."""
+    rng = random.Random(seed ^ 0xCAFE)
+    prefix = random_ids(rng, prefix_len)
+    a = WorkItem(tuple(prefix + random_ids(rng, suffix_len)), 1)
+    b = WorkItem(tuple(prefix + random_ids(rng, suffix_len)), 1)
+    c = WorkItem(tuple(random_ids(rng, prefix_len + suffix_len)), 1)
+    ttft = {}
+    for name, item in (("a_first", a), ("b_hit", b), ("c_cold", c)):
+        (r,) = run_requests(engine, [item])
+        ttft[name] = r.first_token_time - r.arrival
+    return {
+        "prefix_len": prefix_len,
+        "suffix_len": suffix_len,
+        "ttft_ms_first": ttft["a_first"] * 1e3,
+        "ttft_ms_hit": ttft["b_hit"] * 1e3,
+        "ttft_ms_cold": ttft["c_cold"] * 1e3,
+        "speedup": ttft["c_cold"] / max(ttft["b_hit"], 1e-9),
+    }

@@ -1,0 +1,81 @@
+"""What the machine was doing while the bench ran: threads, load average, and other processes' CPU use.
+
+A 2-core box shared with anything else gives meaningless numbers (OpenMP threads stall when one core is
+taken), so every phase records how many cores *other* processes used: total busy CPU time from
+``/proc/stat`` minus this process's own CPU time, over the phase's wall time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+
+def _total_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict:
+    try:
+        import transformers  # noqa: F401  (only its version, when present)
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "loadavg_start": loadavg(),
+    }
+
+
+class CpuMonitor:
+    """``mark(name)`` closes a phase and records other processes' average CPU use (cores) during it."""
+
+    def __init__(self) -> None:
+        self.phases: list[dict] = []
+        self._start = self._snap()
+
+    @staticmethod
+    def _snap() -> tuple[float, float | None, float]:
+        return time.monotonic(), _total_busy_s(), _own_cpu_s()
+
+    def mark(self, name: str) -> dict:
+        (w0, b0, o0), (w1, b1, o1) = self._start, self._snap()
+        self._start = (w1, b1, o1)
+        wall = max(w1 - w0, 1e-9)
+        others = None if b0 is None or b1 is None else max(0.0, (b1 - b0) - (o1 - o0)) / wall
+        phase = {"phase": name, "wall_s": round(wall, 3), "own_cores": round((o1 - o0) / wall, 2),
+                 "other_cores": None if others is None else round(others, 2), "loadavg": loadavg()}
+        self.phases.append(phase)
+        return phase
+
+    def busy_phases(self, threshold: float, min_wall_s: float = 0.4, phases: list[dict] | None = None) -> list[dict]:
+        """Phases in which other processes used more than ``threshold`` cores (short ones are too noisy)."""
+        return [p for p in (self.phases if phases is None else phases)
+                if p["other_cores"] is not None and p["other_cores"] > threshold and p["wall_s"] >= min_wall_s]

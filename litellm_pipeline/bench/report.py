@@ -1,0 +1,139 @@
+"""Derived numbers (ratios, roofline fractions, targets), the printed tables and the JSON file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# issue 3's targets on a 2-core CPU, float32
+TARGETS = {"throughput_vs_peer_batched": 3.0, "batch1_vs_peer": 1.2, "batch1_bandwidth_pct": 70.0, "prefix_speedup": 5.0}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def derive(row: dict, roofline: dict) -> None:
+    """Add ``ratios`` and ``roofline`` to one model x dtype result (in place)."""
+    params, dtype, eng = row["params"], row["dtype"], row["engine"]
+    weight_bytes = params["active_per_token"] * DTYPE_BYTES[dtype]
+    bw = roofline["bandwidth_gbs"]["best"] * 1e9
+    peak = roofline["gemm_gflops"].get(dtype, 0.0) * 1e9
+    # model FLOPs of the workload: every prompt and output token runs the active body; only sampled
+    # positions run the head (attention's own FLOPs are left out, so this slightly understates the work)
+    flops = 2 * (params["body_active"] * (eng["prompt_tokens"] + eng["output_tokens"]) + params["head"] * eng["output_tokens"])
+    achieved = flops / eng["elapsed_s"]
+    b1 = row["batch1"]["tok_s"]
+    row["roofline"] = {
+        "weight_bytes_per_token": weight_bytes,
+        "bandwidth_tok_s": bw / weight_bytes,
+        "batch1_bandwidth_pct": 100.0 * b1 * weight_bytes / bw,
+        "flop_tok_s": peak / (2 * params["active_per_token"]) if peak else None,
+        "workload_gflops": achieved / 1e9,
+        "workload_flop_pct": 100.0 * achieved / peak if peak else None,
+    }
+    pb, ps, p1 = row.get("peer_batched"), row.get("peer_single"), row.get("peer_batch1")
+    row["ratios"] = {
+        "throughput_vs_peer_batched": _ratio(eng["output_tok_s"], pb and pb["output_tok_s"]),
+        "throughput_vs_peer_single": _ratio(eng["output_tok_s"], ps and ps["output_tok_s"]),
+        "batch1_vs_peer": _ratio(b1, p1 and p1["tok_s"]),
+    }
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """One line per float32 row: each issue-3 target, met or missed and by how much."""
+    lines = []
+    for row in rows:
+        if row["dtype"] != "float32":
+            continue
+        got = {**row["ratios"], "batch1_bandwidth_pct": row["roofline"]["batch1_bandwidth_pct"],
+               "prefix_speedup": (row.get("prefix") or {}).get("speedup")}
+        parts = []
+        for key, want in TARGETS.items():
+            v = got.get(key)
+            if v is None:
+                parts.append(f"{key} n/a")
+            else:
+                verdict = "ok" if v >= want else f"MISSED by {100 * (1 - v / want):.0f}%"
+                parts.append(f"{key} {v:.2f} (>= {want:g}: {verdict})")
+        lines.append(f"  {row['model']} float32: " + "; ".join(parts))
+    return lines
+
+
+def _f(v: Any, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _pair(a: Any, b: Any, spec: str = ".1f") -> str:
+    return "-" if a is None else f"{_f(a, spec)}/{_f(b, spec)}"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    fmt = lambda cells: "  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([fmt(headers), fmt(["-" * w for w in widths]), *(fmt(r) for r in rows)])
+
+
+def _single_caption(rows: list[dict]) -> str:
+    n = next((r["peer_single"]["requests"] for r in rows if r.get("peer_single")), None)
+    return "not run" if n is None else f"one at a time over the first {n} requests, TTFT = a 1-token generate"
+
+
+def render(result: dict) -> str:
+    rows, roof, m = result["results"], result["roofline"], result["machine"]
+    bw = roof["bandwidth_gbs"]
+    out = [
+        f"machine: {m['cpu_count']} CPUs, torch {m['torch']} with {m['torch_threads']} threads, "
+        f"transformers {m['transformers'] or 'not installed'}; load average at start {m['loadavg_start']}, "
+        f"at end {m.get('loadavg_end')}",
+        f"roofline: read bandwidth {bw['best']:.1f} GB/s (sum {bw['sum']:.1f}, GEMV fp32 {bw['gemv_float32']:.1f}); "
+        + ", ".join(f"GEMM {k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items()),
+    ]
+    for name, p in result["models"].items():
+        moe = f", {p['experts']} experts top-{p['experts_per_token']}" if p["experts"] else ""
+        out.append(f"model {name}: {p['total'] / 1e6:.1f}M params ({p['embedding'] / 1e6:.1f}M embedding), "
+                   f"{p['active_per_token'] / 1e6:.1f}M read per token{moe}")
+    label = lambda r: r["model"] + ("*" if r.get("busy") else "")  # noqa: E731
+    t1 = [[label(r), r["dtype"], _f(r["engine"]["output_tok_s"]),
+           _f((r.get("peer_batched") or {}).get("output_tok_s")), _f(r["ratios"]["throughput_vs_peer_batched"], ".2f"),
+           _f((r.get("peer_single") or {}).get("output_tok_s")), _f(r["ratios"]["throughput_vs_peer_single"], ".2f"),
+           _pair(r["engine"]["ttft_ms_p50"], r["engine"]["ttft_ms_p99"], ".0f"),
+           _pair(r["engine"]["tpot_ms_p50"], r["engine"]["tpot_ms_p99"]),
+           _pair((r.get("peer_single") or {}).get("ttft_ms_p50"), (r.get("peer_single") or {}).get("ttft_ms_p99"), ".0f"),
+           _f(r["engine"].get("preemptions"), "d")] for r in rows]
+    out += ["", f"mixed workload: {result['config']['num_requests']} requests, prompt {result['config']['prompt_len']}, "
+            f"output {result['config']['output_len']} tokens (ignore_eos), all submitted at t=0; hf-batch: static batches "
+            f"of {result['config']['peer_batch_size']}, left-padded; hf-1by1: {_single_caption(rows)}", _table(
+        ["model", "dtype", "engine tok/s", "hf-batch tok/s", "x", "hf-1by1 tok/s", "x", "TTFT p50/p99 ms",
+         "TPOT p50/p99 ms", "hf-1by1 TTFT ms", "preempt"], t1)]
+    t2 = [[label(r), r["dtype"], _f(r["batch1"]["tok_s"]), _f((r.get("peer_batch1") or {}).get("tok_s")),
+           _f(r["ratios"]["batch1_vs_peer"], ".2f"), _f(r["roofline"]["bandwidth_tok_s"]),
+           _f(r["roofline"]["batch1_bandwidth_pct"]), _f(r["roofline"]["workload_gflops"]),
+           _f(r["roofline"]["workload_flop_pct"]),
+           _pair((r.get("prefix") or {}).get("ttft_ms_hit"), (r.get("prefix") or {}).get("ttft_ms_cold"), ".0f"),
+           _f((r.get("prefix") or {}).get("speedup"), ".2f")] for r in rows]
+    out += ["", "batch-1 decode vs bandwidth roofline; workload model FLOP/s vs GEMM peak; prefix-hit TTFT", _table(
+        ["model", "dtype", "b1 tok/s", "hf b1 tok/s", "x", "BW roof tok/s", "%BW", "GFLOP/s", "%FLOP",
+         "prefix TTFT hit/cold ms", "speedup"], t2)]
+    targets = target_lines(rows)
+    if targets:
+        out += ["", "issue-3 targets (float32):", *targets]
+    if result.get("peer_error"):
+        out.append(f"peer: {result['peer_error']}")
+    busy = result.get("busy_phases") or []
+    if busy:
+        worst = max(busy, key=lambda p: p["other_cores"])
+        out += ["", f"WARNING: the machine was busy: other processes used up to {worst['other_cores']:.1f} cores "
+                f"(in {len(busy)} of {len(result['phases'])} phases, worst: {worst['phase']}); load average "
+                f"{result['machine'].get('loadavg_end')}. Rows marked * were measured while others used more than "
+                f"{result['config']['busy_cores']} cores: those numbers are not reliable; rerun on a quiet machine."]
+    out.append(f"bench took {result['elapsed_s']:.0f} s; JSON: {result.get('json_path', '-')}")
+    return "\n".join(out)
+
+
+def write_json(result: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2, default=str))
+    return path

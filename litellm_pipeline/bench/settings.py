@@ -1,0 +1,58 @@
+"""The ``bench:`` config section, validated by the bench itself (the app schema only passes it through)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from litellm_pipeline.errors import ConfigError, format_validation_error
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RooflineSettings(_Section):
+    bandwidth_mb: int = Field(default=1024, ge=1)  # size of the tensor read for the bandwidth measurement
+    gemm_size: int = Field(default=2048, ge=16)  # n of the n x n x n matmuls
+    repeats: int = Field(default=5, ge=1)  # best of N
+
+
+class BenchSettings(_Section):
+    models: list[str | dict[str, Any]] = Field(default=["llama125m", "mixtral175m"], min_length=1)
+    dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(default=["float32", "bfloat16"], min_length=1)
+    num_requests: int = Field(default=64, ge=1)
+    prompt_len: tuple[int, int] = (16, 512)  # uniform, inclusive
+    output_len: tuple[int, int] = (16, 256)
+    seed: int = 0
+    model_seed: int = 0  # seed of the random weights
+    peer: bool = True  # also measure transformers.generate
+    peer_batch_size: int = Field(default=8, ge=1)
+    peer_single_max_requests: int | None = Field(default=None, ge=1)  # one-at-a-time: first N requests (null: all)
+    prefix_len: int = Field(default=1024, ge=0)  # 0: skip the prefix-hit measurement
+    prefix_suffix_len: int = Field(default=16, ge=1)
+    batch1_prompt_len: int = Field(default=32, ge=1)
+    batch1_output_len: int = Field(default=128, ge=2)
+    batch1_repeats: int = Field(default=3, ge=1)
+    warmup: int = Field(default=2, ge=0)  # small untimed requests before each timed part
+    roofline: RooflineSettings = RooflineSettings()
+    engine: dict[str, Any] = {}  # extra config overrides for the engine under test, dotted keys
+    busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use (cores) above which a run is flagged
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "BenchSettings":
+        for name in ("prompt_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if lo < 1 or hi < lo:
+                raise ValueError(f"{name}: must be [lo, hi] with 1 <= lo <= hi (got [{lo}, {hi}])")
+        return self
+
+
+def bench_settings(section: Any) -> BenchSettings:
+    """Validate the plain ``bench`` dict; a bad value gives one line per problem naming ``bench.<key>``."""
+    try:
+        return BenchSettings.model_validate(section or {})
+    except pydantic.ValidationError as exc:
+        raise ConfigError("invalid bench config:\n" + format_validation_error(exc, "bench")) from exc

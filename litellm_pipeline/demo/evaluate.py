@@ -1,0 +1,135 @@
+"""Exact-match accuracy of a model on held-out skills prompts, per task and per compute tier (``+recipe=eval``).
+
+Greedy decoding, stopping at EOS; an answer counts only if the generated text equals the expected answer exactly.
+Each tier runs as its own batch through the configured engine, so the measured tokens/s belong to that tier too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from litellm_pipeline.demo.skills import DEFAULT_EVAL_SEED, TASKS, Example, check_tasks, heldout
+from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.sampling import SamplingParams
+
+
+class EvalSettings(BaseModel):
+    """The ``eval:`` config section (see recipes/eval.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    per_task: int = Field(default=100, ge=1)  # held-out prompts per task
+    seed: int = DEFAULT_EVAL_SEED  # which held-out prompts
+    tasks: list[str] = list(TASKS)
+    tiers: list[str] | None = None  # null: every tier of the `tiers` config group
+    max_tokens: int = Field(default=16, ge=1)  # the longest answer is 8 characters
+    show_errors: int = Field(default=3, ge=0)  # wrong answers per tier to print (all of them go to eval.json)
+    progress: bool = True
+
+
+def eval_settings(section: Any) -> EvalSettings:
+    try:
+        s = EvalSettings.model_validate(section or {})
+        check_tasks(s.tasks)
+    except pydantic.ValidationError as exc:
+        raise ConfigError("invalid eval config:\n" + format_validation_error(exc, "eval")) from exc
+    except ValueError as exc:
+        raise ConfigError(f"eval.tasks: {exc}") from exc
+    return s
+
+
+def run_tier(engine, examples: list[Example], params: SamplingParams, tier: str, bar) -> tuple[list[str], float, int]:
+    """Generate for all examples at ``tier`` in one continuous batch: (texts, seconds, output tokens)."""
+    t0 = time.perf_counter()
+    reqs = [engine.add_request(ex.prompt, params, tier=tier) for ex in examples]
+    done: dict[str, Any] = {}
+    while len(done) < len(reqs):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+                bar.update(1)
+    seconds = time.perf_counter() - t0
+    outs = [done[r.request_id] for r in reqs]
+    return [o.text for o in outs], seconds, sum(len(o.token_ids) for o in outs)
+
+
+def evaluate(engine, tiers: dict[str, Any], s: EvalSettings) -> dict:
+    """Accuracy per tier and task (plus "all") on ``s.per_task`` held-out prompts per task."""
+    examples = heldout(s.per_task, seed=s.seed, tasks=tuple(s.tasks))
+    names = list(s.tiers) if s.tiers is not None else list(tiers)
+    unknown = [t for t in names if t not in tiers]
+    if unknown:
+        raise ConfigError(f"eval.tiers: unknown tier(s) {unknown}; configured tiers: {', '.join(tiers)}")
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
+    result: dict[str, Any] = {
+        "per_task": s.per_task, "seed": s.seed, "tasks": list(s.tasks),
+        "tiers": {}, "accuracy": {}, "errors": {},
+    }
+    bar = tqdm(total=len(names) * len(examples), desc="eval", unit="prompt", disable=not s.progress, dynamic_ncols=True)
+    for tier in names:
+        bar.set_postfix(tier=tier, refresh=True)
+        texts, seconds, out_tokens = run_tier(engine, examples, params, tier, bar)
+        right: dict[str, list[bool]] = {t: [] for t in s.tasks}
+        errors = []
+        for ex, text in zip(examples, texts):
+            right[ex.task].append(text == ex.answer)
+            if text != ex.answer:
+                errors.append({"task": ex.task, "prompt": ex.prompt, "expected": ex.answer, "got": text})
+        acc = {t: sum(v) / len(v) for t, v in right.items()}
+        acc["all"] = sum(sum(v) for v in right.values()) / len(examples)
+        ts = tiers[tier]
+        result["tiers"][tier] = {
+            "experts_per_token": getattr(ts, "experts_per_token", None),
+            "cost": getattr(ts, "cost", None),
+            "seconds": round(seconds, 3),
+            "output_tokens_per_s": round(out_tokens / seconds, 1) if seconds > 0 else None,
+        }
+        result["accuracy"][tier] = acc
+        result["errors"][tier] = errors
+    bar.close()
+    return result
+
+
+def format_table(result: dict) -> str:
+    tiers = list(result["accuracy"])
+    cols = [*result["tasks"], "all"]
+    head = f"{'tier':<10}{'experts':>8}" + "".join(f"{c:>9}" for c in cols)
+    lines = [head, "-" * len(head)]
+    for t in tiers:
+        k = result["tiers"][t]["experts_per_token"]
+        lines.append(f"{t:<10}{k if k is not None else '-':>8}" + "".join(f"{result['accuracy'][t][c]:>9.3f}" for c in cols))
+    return "\n".join(lines)
+
+
+def write_json(result: dict, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "eval.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    return path
+
+
+def run_eval(cfg) -> dict:
+    """The ``eval`` task: build the configured engine, evaluate, print the table, write eval.json to the run dir."""
+    from litellm_pipeline.builder import build_engine, to_plain
+    from litellm_pipeline.demo import output_dir
+
+    plain = to_plain(cfg)
+    s = eval_settings(plain.get("eval"))
+    engine = build_engine(plain)
+    result = evaluate(engine, engine.rt.tiers, s)
+    path = plain["model"].get("path")
+    result["model"] = str(path) if path is not None else "embedded demo model"
+    print(f"model: {result['model']}  ({s.per_task} held-out prompts per task, seed {s.seed}, greedy)")
+    print(format_table(result))
+    for tier, errors in result["errors"].items():
+        for e in errors[: s.show_errors]:
+            print(f"  {tier}: {e['prompt']} -> {e['got']!r} (expected {e['expected']})")
+    print(f"wrote {write_json(result, output_dir())}")
+    return result

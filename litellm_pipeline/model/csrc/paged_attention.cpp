@@ -1,0 +1,258 @@
+// Paged attention for CPU: every query reads its sequence's K/V rows straight out of the flat cache through
+// the slot table, so nothing is gathered into a dense [B, L, H, D] copy first (that copy, not the math, is
+// what bounds decode on a machine with ~10-20 GB/s).
+//
+// One work item = (sequence, a run of kv heads, one query of that sequence). A run is as many kv heads as
+// still leaves every thread a few items: with many sequences it is all of them, so each token's K (and V)
+// row is one contiguous read; with one sequence it is one head, so the heads spread over the threads. The
+// G = Hq / Hk query heads of a kv head share each K/V row (GQA / MQA). Keys go in chunks of kChunk: scores,
+// one online-softmax rescale, the weighted V sum; all arithmetic in float32 whatever the cache dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kChunk = 32;  // keys per online-softmax step: amortises the rescale of the accumulators
+constexpr int64_t kPrefetch = 2;  // tokens ahead whose K/V rows are prefetched (slots scatter, so hardware can't)
+constexpr int64_t kItemsPerThread = 4;  // split the kv heads until every thread has this many items
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(c10::BFloat16 x) {  // exact: a bf16 is the top half of a float32
+  uint32_t u = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// exp for x <= 0 (scores minus their running max), inlinable so `omp simd` loops vectorise it: Cody-Waite
+// range reduction and a degree-6 polynomial (Cephes expf, ~1 ulp); below -87 it returns ~1e-38 instead of 0.
+inline float exp_neg(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T, int64_t DC>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
+  if (DC) d = DC;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
+  return s;
+}
+
+template <typename T, int64_t DC>
+inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t d) {
+  if (DC) d = DC;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(v[i]);
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 1);
+}
+
+struct Shape {
+  int64_t hk, g, d;  // kv heads, query heads per kv head, head dim
+  int64_t nh;  // kv heads per work item
+  int64_t num_slots;
+  int64_t q_s0, q_s1, o_s0, o_s1;  // row / head strides of q and out (last dim contiguous)
+};
+
+// One query row, kv heads [h0, h0 + nh) and their G query heads each, over context keys [begin, end).
+// DC: the head dim as a compile-time constant (0: use sh.d), so the common sizes get unrolled loops.
+template <typename T, int64_t DC>
+void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, int64_t begin, int64_t end,
+            int64_t h0, float scale, const Shape& sh, float* ws) {
+  const int64_t G = sh.g, D = DC ? DC : sh.d, NQ = sh.nh * sh.g, row = sh.hk * D;
+  float* qf = ws;             // [NQ, D] scaled queries
+  float* acc = qf + NQ * D;   // [NQ, D]
+  float* s = acc + NQ * D;    // [NQ, kChunk] scores, then probabilities
+  float* m = s + NQ * kChunk; // [NQ] running max
+  float* l = m + NQ;          // [NQ] running denominator
+  for (int64_t qi = 0; qi < NQ; ++qi) {
+    const T* qh = q + (h0 * G + qi) * sh.q_s1;
+    for (int64_t i = 0; i < D; ++i) qf[qi * D + i] = to_f(qh[i]) * scale;
+    m[qi] = -std::numeric_limits<float>::infinity();
+    l[qi] = 0.f;
+  }
+  std::fill(acc, acc + NQ * D, 0.f);
+  const int64_t span = sh.nh * D;  // this item's contiguous part of one token's row
+  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(T));
+  const T* kbase = kc + h0 * D;
+  const T* vbase = vc + h0 * D;
+  for (int64_t i = 0; i < kPrefetch && begin + i < end; ++i) {
+    const int64_t ps = slots[begin + i];
+    if (ps >= 0 && ps < sh.num_slots) prefetch(kbase + ps * row, span_bytes), prefetch(vbase + ps * row, span_bytes);
+  }
+  for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, end - c0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = slots[c0 + j];
+      TORCH_CHECK(slot >= 0 && slot < sh.num_slots, "paged_attention: kv slot ", slot, " out of range [0, ",
+                  sh.num_slots, ")");
+      if (c0 + j + kPrefetch < end) {  // V is prefetched here too: it is read right after this chunk
+        const int64_t ps = slots[c0 + j + kPrefetch];
+        if (ps >= 0 && ps < sh.num_slots) prefetch(kbase + ps * row, span_bytes), prefetch(vbase + ps * row, span_bytes);
+      }
+      const T* kp = kbase + slot * row;
+      for (int64_t hh = 0, qi = 0; hh < sh.nh; ++hh)
+        for (int64_t g = 0; g < G; ++g, ++qi) s[qi * kChunk + j] = dot<T, DC>(qf + qi * D, kp + hh * D, D);
+    }
+    for (int64_t qi = 0; qi < NQ; ++qi) {
+      float* sq = s + qi * kChunk;
+      float cm = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : cm)
+      for (int64_t j = 0; j < n; ++j) cm = std::max(cm, sq[j]);
+      const float mn = std::max(m[qi], cm);
+      if (mn > m[qi]) {  // first chunk: exp(-inf) = 0 leaves the zero accumulators zero
+        const float f = std::exp(m[qi] - mn);
+        l[qi] *= f;
+        float* aq = acc + qi * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) aq[i] *= f;
+        m[qi] = mn;
+      }
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = exp_neg(sq[j] - mn);
+        sq[j] = p;
+        sum += p;
+      }
+      l[qi] += sum;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const T* vp = vbase + slots[c0 + j] * row;
+      for (int64_t hh = 0, qi = 0; hh < sh.nh; ++hh)
+        for (int64_t g = 0; g < G; ++g, ++qi) axpy<T, DC>(acc + qi * D, s[qi * kChunk + j], vp + hh * D, D);
+    }
+  }
+  for (int64_t qi = 0; qi < NQ; ++qi) {
+    T* oq = out + (h0 * G + qi) * sh.o_s1;
+    const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;  // an empty context gives zeros, not NaN
+    for (int64_t i = 0; i < D; ++i) oq[i] = static_cast<T>(acc[qi * D + i] * inv);
+  }
+}
+
+struct Job {
+  const void* q;
+  void* out;
+  const void *kc, *vc;
+  const int64_t *rows, *slots, *lens;
+  int64_t slot_stride, max_len, num_rows, num_seqs, q_len;
+  float scale;
+  int64_t window;
+  Shape sh;
+};
+
+template <typename T>
+void run(const Job& jb) {
+  const Shape& sh = jb.sh;
+  const int64_t splits = sh.hk / sh.nh, items = jb.num_seqs * splits * jb.q_len;
+  const T* qp = static_cast<const T*>(jb.q);
+  T* op = static_cast<T*>(jb.out);
+  const T* kp = static_cast<const T*>(jb.kc);
+  const T* vp = static_cast<const T*>(jb.vc);
+  // items differ in cost (context lengths differ), so threads pull them from a shared counter instead of
+  // taking parallel_for's equal contiguous ranges
+  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> ws(static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)));
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
+      const int64_t i = it % jb.q_len, part = (it / jb.q_len) % splits, s = it / (jb.q_len * splits);
+      const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
+      TORCH_CHECK(ctx >= jb.q_len && ctx <= jb.max_len, "paged_attention: ctx_len ", ctx, " outside [q_len, ",
+                  jb.max_len, "]");
+      TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
+      const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
+      attend_fn(qp + row * sh.q_s0, op + row * sh.o_s0, kp, vp, jb.slots + s * jb.slot_stride, begin, pos + 1,
+                part * sh.nh, jb.scale, sh, ws.data());
+    }
+  });
+}
+
+// Fewest kv-head runs (so the longest contiguous reads) that still give every thread kItemsPerThread items.
+int64_t heads_per_item(int64_t hk, int64_t units) {
+  const int64_t want = kItemsPerThread * at::get_num_threads();
+  for (int64_t splits = 1; splits <= hk; ++splits)
+    if (hk % splits == 0 && units * splits >= want) return hk / splits;
+  return 1;
+}
+
+// out[rows[s] + i] for i < q_len: query i of sequence s sits at position ctx_lens[s] - q_len + i and attends the
+// keys at positions (pos - window, pos] (window <= 0: all of [0, pos]) through slots[s, :ctx_lens[s]].
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
+                     double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3, "paged_attention: q, out and caches are 3-D");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache, &rows, &slots, &ctx_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention: k_cache and v_cache shapes differ");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, out and caches must share one dtype");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: head dim must be contiguous");
+  TORCH_CHECK(q.sizes() == out.sizes(), "paged_attention: out must have q's shape");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+                  ctx_lens.scalar_type() == at::kLong,
+              "paged_attention: rows, slots and ctx_lens must be int64");
+  TORCH_CHECK(slots.dim() == 2 && slots.stride(1) == 1, "paged_attention: slots must be [S, L], rows contiguous");
+  TORCH_CHECK(rows.is_contiguous() && ctx_lens.is_contiguous(), "paged_attention: rows, ctx_lens contiguous");
+  const int64_t S = slots.size(0), L = slots.size(1);
+  TORCH_CHECK(rows.numel() == S && ctx_lens.numel() == S, "paged_attention: rows / ctx_lens must have S entries");
+  TORCH_CHECK(q_len >= 1, "paged_attention: q_len must be >= 1");
+  const int64_t hq = q.size(1), hk = k_cache.size(1), d = q.size(2);
+  TORCH_CHECK(k_cache.size(2) == d && hk > 0 && hq % hk == 0, "paged_attention: head shapes do not match");
+  if (S == 0) return;
+  const Shape sh{hk, hq / hk, d, heads_per_item(hk, S * q_len), k_cache.size(0),
+                 q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
+  const Job job{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr<int64_t>(),
+                slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), slots.stride(0), L, q.size(0), S, q_len,
+                static_cast<float>(scale), window, sh};
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(job); break;
+    case at::kBFloat16: run<c10::BFloat16>(job); break;
+    case at::kHalf: run<c10::Half>(job); break;
+    default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16, float16)");
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(litellm_pipeline_cpu, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor slots, "
+      "Tensor ctx_lens, int q_len, float scale, int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,186 @@
+"""The bench (``+recipe=bench``): its measuring parts, and a tiny end-to-end run in a subprocess.
+
+Speed itself is never asserted here; only that every number is there, finite and positive.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from litellm_pipeline.bench import roofline
+from litellm_pipeline.bench.models import param_counts, resolve_model
+from litellm_pipeline.bench.settings import bench_settings
+from litellm_pipeline.bench.workload import FIRST_BYTE_ID, LAST_BYTE_ID, make_workload, percentile
+from litellm_pipeline.demo_model import random_weights
+from litellm_pipeline.errors import ConfigError
+
+TINY = [
+    "bench.dtypes=[float32]",
+    "bench.num_requests=4",
+    "bench.prompt_len=[8,16]",
+    "bench.output_len=[4,8]",
+    "bench.prefix_len=32",
+    "bench.batch1_prompt_len=8",
+    "bench.batch1_output_len=8",
+    "bench.batch1_repeats=1",
+    "bench.warmup=1",
+    "bench.roofline.bandwidth_mb=16",
+    "bench.roofline.gemm_size=128",
+    "bench.roofline.repeats=2",
+]
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+# --- roofline -------------------------------------------------------------------------------------------
+
+
+def test_roofline_functions_return_positive_finite_numbers():
+    assert _positive(roofline.read_bandwidth(mb=8, repeats=2))
+    assert _positive(roofline.gemv_bandwidth(mb=8, repeats=2))
+    assert _positive(roofline.gemm_flops(n=64, repeats=2))
+    assert _positive(roofline.gemm_flops(n=64, repeats=2, dtype=__import__("torch").bfloat16))
+    r = roofline.measure_roofline(["float32", "bfloat16"], mb=8, gemm_size=64, repeats=2)
+    assert all(_positive(v) for v in r["bandwidth_gbs"].values())
+    assert set(r["gemm_gflops"]) == {"float32", "bfloat16"} and all(_positive(v) for v in r["gemm_gflops"].values())
+    assert r["bandwidth_gbs"]["best"] == max(r["bandwidth_gbs"]["sum"], r["bandwidth_gbs"]["gemv_float32"])
+
+
+# --- workload -------------------------------------------------------------------------------------------
+
+
+def test_workload_is_deterministic_for_a_seed_and_respects_the_ranges():
+    a = make_workload(50, (5, 9), (2, 4), seed=7)
+    assert a == make_workload(50, (5, 9), (2, 4), seed=7)
+    assert a != make_workload(50, (5, 9), (2, 4), seed=8)
+    assert len(a) == 50
+    assert all(5 <= len(it.prompt_ids) <= 9 and 2 <= it.output_len <= 4 for it in a)
+    assert all(FIRST_BYTE_ID <= t <= LAST_BYTE_ID for it in a for t in it.prompt_ids)
+    # both ends of each range are reachable (uniform, inclusive)
+    assert {len(it.prompt_ids) for it in a} >= {5, 9} and {it.output_len for it in a} == {2, 3, 4}
+
+
+def test_percentile_interpolates():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+# --- models and settings --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_mixtral"])
+def test_param_counts_match_the_written_weights(name):
+    _, cfg = resolve_model(name)
+    counts = param_counts(cfg)
+    assert counts["total"] == sum(t.numel() for t in random_weights(cfg, 0).values())
+    assert counts["active_per_token"] == counts["body_active"] + counts["head"]
+    if cfg.get("num_local_experts"):
+        assert counts["active_per_token"] < counts["total"] - counts["embedding"]  # only top-k experts
+
+
+def test_preset_shapes_are_about_the_advertised_sizes():
+    llama, mixtral = param_counts(resolve_model("llama125m")[1]), param_counts(resolve_model("mixtral175m")[1])
+    assert 110e6 < llama["total"] < 140e6
+    assert 165e6 < mixtral["total"] < 185e6 and mixtral["experts"] == 8 and mixtral["experts_per_token"] == 2
+
+
+def test_model_given_as_a_dict_overrides_a_preset():
+    name, cfg = resolve_model({"name": "narrow", "base": "tiny_llama", "hidden_size": 32, "head_dim": 8})
+    assert name == "narrow" and cfg["hidden_size"] == 32 and cfg["num_hidden_layers"] == 2
+    with pytest.raises(ConfigError, match="unknown model 'nope'.*tiny_llama"):
+        resolve_model("nope")
+
+
+def test_bad_bench_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"bench\.num_requests: must be >= 1"):
+        bench_settings({"num_requests": 0})
+    with pytest.raises(ConfigError, match=r"prompt_len: must be \[lo, hi\]"):
+        bench_settings({"prompt_len": [9, 3]})
+    with pytest.raises(ConfigError, match=r"bench\.nope: unknown key"):
+        bench_settings({"nope": 1})
+
+
+def test_peer_is_reported_unavailable_without_transformers(monkeypatch, tmp_path):
+    from litellm_pipeline.bench import peer
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
+    model, why = peer.load_peer(tmp_path, "float32")
+    assert model is None and "not installed" in why
+
+
+# --- end to end -----------------------------------------------------------------------------------------
+
+
+def run_bench_cli(tmp_path, *overrides: str) -> dict:
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=bench", *overrides, f"hydra.run.dir={run}"]
+    env = {**os.environ, "LITELLM_PIPELINE_CACHE": str(tmp_path.parent / "bench-cache")}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    assert "engine tok/s" in proc.stdout and "%BW" in proc.stdout  # the tables were printed
+    data = json.loads((run / "bench.json").read_text())
+    data["_stdout"] = proc.stdout
+    return data
+
+
+def _check_common(data: dict, model: str) -> dict:
+    m = data["machine"]
+    assert m["torch_threads"] >= 1 and len(m["loadavg_start"]) == 3 and len(m["loadavg_end"]) == 3
+    assert isinstance(data["busy"], bool) and data["phases"][0]["phase"] == "idle check"
+    assert data["complete"] is True
+    assert _positive(data["roofline"]["bandwidth_gbs"]["best"]) and _positive(data["roofline"]["gemm_gflops"]["float32"])
+    assert _positive(data["models"][model]["total"]) and _positive(data["elapsed_s"])
+    (row,) = data["results"]
+    assert row["model"] == model and row["dtype"] == "float32" and isinstance(row["busy"], bool)
+    eng = row["engine"]
+    assert eng["requests"] == 4 and 4 * 4 <= eng["output_tokens"] <= 4 * 8
+    for key in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "elapsed_s"):
+        assert _positive(eng[key]), key
+    assert eng["ttft_ms_p50"] <= eng["ttft_ms_p99"]
+    assert _positive(row["batch1"]["tok_s"])
+    for key in ("bandwidth_tok_s", "batch1_bandwidth_pct", "flop_tok_s", "workload_flop_pct"):
+        assert _positive(row["roofline"][key]), key
+    for key in ("ttft_ms_hit", "ttft_ms_cold", "speedup"):
+        assert _positive(row["prefix"][key]), key
+    return row
+
+
+@pytest.mark.slow
+def test_tiny_bench_end_to_end_with_transformers(tmp_path):
+    pytest.importorskip("transformers")
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", *TINY)
+    row = _check_common(data, "tiny_llama")
+    for part in ("peer_batched", "peer_single"):
+        assert row[part]["output_tokens"] == row["engine"]["output_tokens"]  # useful tokens only
+        assert _positive(row[part]["output_tok_s"])
+    assert row["peer_batched"]["generated_tokens"] >= row["peer_batched"]["output_tokens"]
+    assert _positive(row["peer_single"]["ttft_ms_p50"]) and _positive(row["peer_batch1"]["tok_s"])
+    for key in ("throughput_vs_peer_batched", "throughput_vs_peer_single", "batch1_vs_peer"):
+        assert _positive(row["ratios"][key]), key
+    assert "issue-3 targets" in data["_stdout"]
+
+
+@pytest.mark.slow
+def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_mixtral]", "bench.peer=false", *TINY)
+    row = _check_common(data, "tiny_mixtral")
+    assert row["peer_batched"] is None and row["peer_single"] is None and row["peer_batch1"] is None
+    assert all(v is None for v in row["ratios"].values())
+    assert data["models"]["tiny_mixtral"]["experts"] == 4
+
+
+def test_unknown_bench_key_fails_before_any_work(tmp_path):
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=bench", "+bench.nope=1", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "bench.nope: unknown key" in proc.stderr
+    assert not (tmp_path / "run" / "bench.json").exists()
