@@ -62,5 +62,5 @@ def packed_dispatch(
         gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
         ye = F.linear(F.silu(gate) * up, w2[e])
         ye = ye * flat_w[sel, None]
-        out.index_add_(0, tok, ye.to(out.dtype))
+        out.index_put_((tok,), ye.to(out.dtype), accumulate=True)  # tok is unique per expert; faster than index_add_ on CPU
     return out
