@@ -1,8 +1,9 @@
-"""The embedded default model: a small Mixtral-style MoE with RANDOM weights, built from a seed.
+"""Random-weight checkpoints built from a seed: the bench's models and a small seeded random MoE.
 
-It is written once as an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
-tokenizer.json, ...) in a cache folder and then loaded through the same loader as any user checkpoint,
-so the default run exercises the real path. Same seed, same bytes, every run.
+Each is written once as an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
+tokenizer.json, ...) in a cache folder and then loaded through the same loader as any user checkpoint.
+Same seed, same bytes, every run. (The embedded default model is the trained one in
+``litellm_pipeline/demo``.)
 """
 
 from __future__ import annotations
