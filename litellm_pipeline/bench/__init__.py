@@ -15,7 +15,7 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from omegaconf import OmegaConf
@@ -71,31 +71,32 @@ def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
     return 1 + n_models + n_models * len(s.dtypes) * per_run
 
 
-def _measure_one(name: str, path: Path, dtype: str, s: BenchSettings, base: dict, items, single_items,
-                 bar: tqdm, mon: CpuMonitor, device: str) -> dict:
+def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, single_items,
+                 bar: tqdm, mark: Callable[[str], None], device: str) -> dict:
+    """Fill ``row`` for one model x dtype; ``mark(label)`` closes a phase (and saves what is measured so far)."""
     from litellm_pipeline.builder import build_engine
 
+    name, dtype = row["model"], row["dtype"]
     tag = f"{name}/{dtype}"
-    row: dict[str, Any] = {"model": name, "dtype": dtype}
     bar.set_description(f"{tag}: build engine")
     engine = build_engine(engine_config(base, path, dtype, s.engine))
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
-    mon.mark(f"{tag} engine build+warmup")
+    mark("engine build+warmup")
     bar.set_description(f"{tag}: engine workload")
     row["engine"] = engine_runs.run_workload(engine, items, on_finish=bar.update)
-    mon.mark(f"{tag} engine workload")
+    mark("engine workload")
     bar.set_description(f"{tag}: engine batch-1 decode")
     b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
     row["batch1"] = engine_runs.batch1_decode(engine, b1, s.batch1_repeats)
     bar.update()
-    mon.mark(f"{tag} engine batch-1")
+    mark("engine batch-1")
     row["prefix"] = None
     if s.prefix_len:
         bar.set_description(f"{tag}: prefix-hit TTFT")
         row["prefix"] = engine_runs.prefix_ttft(engine, s.prefix_len, s.prefix_suffix_len, s.seed)
         bar.update()
-        mon.mark(f"{tag} prefix TTFT")
+        mark("prefix TTFT")
     del engine
     gc.collect()
     bar.update()
@@ -109,17 +110,17 @@ def _measure_one(name: str, path: Path, dtype: str, s: BenchSettings, base: dict
             return row
         peer.warmup(model, s.warmup)
         bar.update()
-        mon.mark(f"{tag} peer load+warmup")
+        mark("peer load+warmup")
         bar.set_description(f"{tag}: transformers batched")
         row["peer_batched"] = peer.run_batched(model, items, s.peer_batch_size, on_batch=bar.update)
-        mon.mark(f"{tag} peer batched")
+        mark("peer batched")
         bar.set_description(f"{tag}: transformers one at a time")
         row["peer_single"] = peer.run_single(model, single_items, on_request=bar.update)
-        mon.mark(f"{tag} peer one-at-a-time")
+        mark("peer one-at-a-time")
         bar.set_description(f"{tag}: transformers batch-1 decode")
         row["peer_batch1"] = peer.batch1_decode(model, b1, s.batch1_repeats)
         bar.update()
-        mon.mark(f"{tag} peer batch-1")
+        mark("peer batch-1")
         del model
         gc.collect()
     return row
@@ -167,14 +168,20 @@ def run_bench(cfg: Any) -> dict:
         for name, mcfg in models:
             for dtype in s.dtypes:
                 first_phase = len(mon.phases)
-                row = _measure_one(name, paths[name], dtype, s, base, items, single_items, bar, mon, device)
+                row: dict[str, Any] = {"model": name, "dtype": dtype, "partial": True}
+                result["results"].append(row)
+
+                def mark(label: str, tag: str = f"{name}/{dtype}") -> None:
+                    mon.mark(f"{tag} {label}")
+                    _save(result, mon, s, t_start, out, complete=False)  # a stopped run keeps what it measured
+
+                _measure_one(row, paths[name], s, base, items, single_items, bar, mark, device)
                 row["params"] = result["models"][name]
                 row["busy"] = bool(mon.busy_phases(s.busy_cores, phases=mon.phases[first_phase:]))
+                del row["partial"]
                 report.derive(row, result["roofline"])
                 if row.get("peer_error"):
                     result["peer_error"] = row["peer_error"]
-                result["results"].append(row)
-                _save(result, mon, s, t_start, out, complete=False)  # a stopped run keeps what it measured
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result
