@@ -28,6 +28,7 @@ KINDS: tuple[str, ...] = (
     "stage",
     "attention",
     "moe_dispatch",
+    "layer_ops",
     "router",
     "sampler",
     "kv_policy",
@@ -54,6 +55,7 @@ _lock = threading.RLock()
 _BUILTIN_MODULES = (
     "litellm_pipeline.model.attention",
     "litellm_pipeline.model.attention_cpu",
+    "litellm_pipeline.model.layer_ops",
     "litellm_pipeline.model.moe",
     "litellm_pipeline.routing",
     "litellm_pipeline.sampler",

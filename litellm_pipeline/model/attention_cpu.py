@@ -14,24 +14,17 @@ handles (not CPU, another dtype), this falls back to ``sdpa`` and says why in on
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import threading
 import warnings
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from litellm_pipeline.model import cpu_kernels
 from litellm_pipeline.model.attention import _prefill_mask, gather_slots, sdpa_paged_attention
 from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
 from litellm_pipeline.registry import register
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
-_OP_NAMESPACE = "litellm_pipeline_cpu"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Prefill chunks up to these lengths go through the kernel, longer ones through torch SDPA. Measured on
 # 12x64 heads, fp32, 1 and 2 threads: over a 300-token cached prefix the kernel is 1.1-1.6x faster at 12
@@ -40,88 +33,14 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 PREFILL_KERNEL_MAX_Q = 12  # a chunk that continues a cached prefix (ctx_len > q_len)
 PREFILL_KERNEL_MAX_FRESH = 512  # a whole prompt (ctx_len == q_len)
 
-_lock = threading.Lock()
 _op: Callable | None = None  # the loaded kernel
 _error: str | None = None  # why it could not be loaded (then every call uses sdpa)
 _warned: set[str] = set()
 
 
-def extension_dir() -> Path:
-    """Where built kernels live: ``$TORCH_EXTENSIONS_DIR`` if set, else the user cache."""
-    env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if env:
-        return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "litellm_pipeline" / "torch_extensions"
-
-
-def _cpu_key() -> str | None:
-    """A short hash naming this CPU (model + feature flags), or None where it cannot be read.
-
-    ``-march=native`` code only runs on CPUs with the same features, and the build cache may be shared
-    (a home directory on several machines), so a native build is named after the CPU it was built for.
-    """
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    lines = {}
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags") and key not in lines:
-            lines[key] = val.strip()
-    if "flags" not in lines:
-        return None
-    return hashlib.sha1(repr(sorted(lines.items())).encode()).hexdigest()[:10]
-
-
 def _build_kernel() -> Callable:
-    """Compile (or reuse the cached build of) the C++ kernel and return the registered op."""
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
-    if shutil.which("ninja") is None:
-        try:  # the `ninja` wheel ships the binary inside the package; its folder may not be on PATH
-            import ninja
-
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        except ImportError:
-            raise RuntimeError("ninja not found (pip install ninja)") from None
-    from torch.utils import cpp_extension
-
-    key = _cpu_key()
-    builds = ([(f"litellm_paged_attention_{key}", ["-march=native"])] if key else []) + [
-        ("litellm_paged_attention_generic", [])
-    ]
-    for i, (name, arch) in enumerate(builds):
-        build_dir = extension_dir() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *arch],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
-            break
-        except Exception:
-            if i == len(builds) - 1:
-                raise  # a native build can fail where a generic one works (an assembler older than the CPU)
-    return getattr(torch.ops, _OP_NAMESPACE).paged_attention.default
-
-
-def _reason(exc: BaseException) -> str:
-    """One line: the exception's first line plus the compiler's first ``error:`` line when there is one."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    head = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
-    err = next((ln for ln in lines[1:] if "error" in ln.lower()), None)
-    return head + (f" ... {err[:200]}" if err else "")
+    """Compile (or reuse the cached build of) the CPU kernels and return the paged attention op."""
+    return cpu_kernels.ops().paged_attention.default
 
 
 def _warn_once(reason: str) -> None:
@@ -133,14 +52,11 @@ def _warn_once(reason: str) -> None:
 def kernel() -> Callable | None:
     """The compiled op, building it on first use; None (after one warning) if it cannot be built."""
     global _op, _error
-    if _op is not None:
-        return _op
-    with _lock:
-        if _op is None and _error is None:
-            try:
-                _op = _build_kernel()
-            except Exception as exc:  # any build/load failure means "use sdpa", never a crash
-                _error = f"C++ kernel unavailable ({_reason(exc)})"
+    if _op is None and _error is None:  # cpu_kernels serialises the build; a race only looks the op up twice
+        try:
+            _op = _build_kernel()
+        except Exception as exc:  # any build/load failure means "use sdpa", never a crash
+            _error = f"C++ kernel unavailable ({cpu_kernels.reason(exc)})"
     if _error is not None:
         _warn_once(_error)
     return _op

@@ -10,7 +10,7 @@ from torch import nn
 
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.config import ModelConfig
-from litellm_pipeline.model.layers import Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
+from litellm_pipeline.model.layers import REFERENCE_OPS, Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
 from litellm_pipeline.model.rope import RotaryEmbedding
 
 
@@ -52,13 +52,19 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.dynamic_rope = cfg.rope.get("rope_type") == "dynamic"
+        self.ops = REFERENCE_OPS
 
-    def bind(self, attn_fn: Callable, dispatch_fn: Callable) -> None:
-        """Swap the attention / MoE dispatch implementations of every layer (done once, at build time)."""
+    def bind(self, attn_fn: Callable, dispatch_fn: Callable, ops: object | None = None) -> None:
+        """Swap the attention / MoE dispatch / layer ops implementations of every layer (once, at build time)."""
         for layer in self.layers:
             layer.self_attn.attn_fn = attn_fn
             if layer.is_moe:
                 layer.mlp.dispatch_fn = dispatch_fn
+        if ops is not None:
+            self.ops = ops
+            for m in self.modules():
+                if m is not self and hasattr(m, "ops"):
+                    m.ops = ops
 
     @torch.inference_mode()
     def forward(
@@ -80,4 +86,4 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows that need a next token; float32 logits [R, V]."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(self.norm(hidden), w).float()
+        return self.ops.linear(self.norm(hidden), w).float()

@@ -1,5 +1,6 @@
 """Decoder building blocks. Layers take explicit arguments and hold plain parameters (no init work: the
-loader fills them). Attention and MoE dispatch are callables chosen from the registry when the model is built.
+loader fills them). Attention, MoE dispatch and the layer ops (projections, norms, activation, RoPE) are chosen
+from the registry and bound when the pipeline is built; until then the torch reference ops run.
 """
 
 from __future__ import annotations
@@ -7,16 +8,18 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
+from litellm_pipeline.model.layer_ops import TorchLayerOps
 from litellm_pipeline.model.moe import route_tokens
-from litellm_pipeline.model.rope import apply_rotary
 
 
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+REFERENCE_OPS = TorchLayerOps()
 
 
 class RMSNorm(nn.Module):
@@ -24,12 +27,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param(dim)
         self.eps = eps
+        self.ops = REFERENCE_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics, then back to the input dtype before the weight (as the reference models do)
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -39,10 +40,11 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = _param(2 * intermediate, hidden)
         self.down_proj = _param(hidden, intermediate)
+        self.ops = REFERENCE_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        ops = self.ops
+        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
 
 
 class Attention(nn.Module):
@@ -68,19 +70,21 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.scale = head_dim**-0.5
         self.attn_fn = attn_fn
+        self.ops = REFERENCE_OPS
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        ops = self.ops
+        qkv = ops.linear(x, self.qkv_proj, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = ops.rotary(q, k, cos, sin)
         o = self.attn_fn(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return F.linear(o.reshape(t, self.q_size), self.o_proj)
+        return ops.linear(o.reshape(t, self.q_size), self.o_proj)
 
 
 class SparseMoE(nn.Module):
@@ -104,12 +108,14 @@ class SparseMoE(nn.Module):
         self.shared_expert = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = _param(1, hidden) if shared_intermediate else None
         self.dispatch_fn = dispatch_fn
+        self.ops = REFERENCE_OPS
 
     def forward(self, x: torch.Tensor, plan: RoutePlan | None) -> torch.Tensor:
-        idx, w = route_tokens(F.linear(x, self.gate), self.top_k, self.normalize, plan)
-        out = self.dispatch_fn(x, idx, w, self.w13, self.w2)
+        ops = self.ops
+        idx, w = route_tokens(ops.linear(x, self.gate), self.top_k, self.normalize, plan)
+        out = self.dispatch_fn(x, idx, w, self.w13, self.w2, ops)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            out = out + torch.sigmoid(ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out
 
 
@@ -121,8 +127,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.is_moe = isinstance(mlp, SparseMoE)
+        self.ops = REFERENCE_OPS
 
     def forward(self, h, cos, sin, meta, k_cache, v_cache, plan: RoutePlan | None) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
-        x = self.post_attention_layernorm(h)
+        post = self.post_attention_layernorm
+        a = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
+        h, x = self.ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm in one pass
         return h + (self.mlp(x, plan) if self.is_moe else self.mlp(x))

@@ -2,8 +2,9 @@
 
 Routing is deterministic: experts are ranked with a stable sort of the router probabilities, so equal
 scores always resolve to the lower expert id whatever else is in the batch. A dispatch implementation is
-a callable ``(x, expert_idx, expert_w, w13, w2) -> out`` where ``expert_idx``/``expert_w`` are ``[T, K]``
-(index -1 marks an unused slot), ``w13`` is ``[E, 2I, H]`` (gate and up stacked) and ``w2`` ``[E, H, I]``.
+a callable ``(x, expert_idx, expert_w, w13, w2, ops) -> out`` where ``expert_idx``/``expert_w`` are ``[T, K]``
+(index -1 marks an unused slot), ``w13`` is ``[E, 2I, H]`` (gate and up stacked), ``w2`` ``[E, H, I]`` and
+``ops`` the model's bound ``layer_ops`` (its ``linear`` and ``silu_mul`` run the experts).
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ def route_tokens(
 
 @register("moe_dispatch", "packed")
 def packed_dispatch(
-    x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    expert_idx: torch.Tensor,
+    expert_w: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    ops,
 ) -> torch.Tensor:
     """Group the (token, expert) pairs of the whole batch by expert and run each expert once on its pack."""
     t, k = expert_idx.shape
@@ -59,8 +65,7 @@ def packed_dispatch(
         start += c
         tok = sel // k
         xe = x[tok]
-        gate, up = F.linear(xe, w13[e]).chunk(2, dim=-1)
-        ye = F.linear(F.silu(gate) * up, w2[e])
+        ye = ops.linear(ops.silu_mul(ops.linear(xe, w13[e])), w2[e])
         ye = ye * flat_w[sel, None]
         out.index_put_((tok,), ye.to(out.dtype), accumulate=True)  # tok is unique per expert; faster than index_add_ on CPU
     return out

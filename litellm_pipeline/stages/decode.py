@@ -19,9 +19,13 @@ class Decode(Stage):
     inputs = ("schedule", "prefill_batch", "route_plan")
     outputs = ("logits", "sample_requests")
 
-    def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed"):
+    def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch"):
         super().__init__(rt)
-        rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch))
+        rt.model.bind(
+            registry.get("attention", attention),
+            registry.get("moe_dispatch", moe_dispatch),
+            registry.get("layer_ops", layer_ops)(),
+        )
 
     def __call__(self, ctx: StepContext) -> None:
         rt, pb = self.rt, ctx.prefill_batch

@@ -13,6 +13,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -28,34 +30,9 @@ constexpr int64_t kChunk = 32;  // keys per online-softmax step: amortises the r
 constexpr int64_t kPrefetch = 2;  // tokens ahead whose K/V rows are prefetched (slots scatter, so hardware can't)
 constexpr int64_t kItemsPerThread = 4;  // split the kv heads until every thread has this many items
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
-inline float to_f(c10::BFloat16 x) {  // exact: a bf16 is the top half of a float32
-  uint32_t u = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-// exp for x <= 0 (scores minus their running max), inlinable so `omp simd` loops vectorise it: Cody-Waite
-// range reduction and a degree-6 polynomial (Cephes expf, ~1 ulp); below -87 it returns ~1e-38 instead of 0.
-inline float exp_neg(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, sizeof(scale));
-  return p * scale;
-}
+using llp::to_f;
+// scores minus their running max are <= 0
+inline float exp_neg(float x) { return llp::exp_f(x); }
 
 template <typename T, int64_t DC>
 inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {

@@ -1,0 +1,119 @@
+"""The project's C++ CPU kernels (``csrc/*.cpp``): built on first use with torch's JIT extension loader.
+
+One extension holds every op (namespace ``torch.ops.litellm_pipeline_cpu``): the paged attention of
+``cpu_paged`` and the fused layer ops of ``layer_ops: cpu_fused``. It is compiled once per machine into the
+user cache (``-march=native`` where the CPU can be named, else a generic build) and reused afterwards.
+Callers decide what to do when it cannot be built: every user of these ops has a torch fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("paged_attention.cpp", "layer_ops.cpp"))
+NAMESPACE = "litellm_pipeline_cpu"
+
+_lock = threading.Lock()
+_ops = None  # the loaded namespace
+_error: BaseException | None = None  # why it could not be built (raised again on every later call)
+
+
+def extension_dir() -> Path:
+    """Where built kernels live: ``$TORCH_EXTENSIONS_DIR`` if set, else the user cache."""
+    env = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "litellm_pipeline" / "torch_extensions"
+
+
+def _cpu_key() -> str | None:
+    """A short hash naming this CPU (model + feature flags), or None where it cannot be read.
+
+    ``-march=native`` code only runs on CPUs with the same features, and the build cache may be shared
+    (a home directory on several machines), so a native build is named after the CPU it was built for.
+    """
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    lines = {}
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "flags") and key not in lines:
+            lines[key] = val.strip()
+    if "flags" not in lines:
+        return None
+    return hashlib.sha1(repr(sorted(lines.items())).encode()).hexdigest()[:10]
+
+
+def build():
+    """Compile (or reuse the cached build of) the kernels; returns the op namespace."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+    if shutil.which("ninja") is None:
+        try:  # the `ninja` wheel ships the binary inside the package; its folder may not be on PATH
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            raise RuntimeError("ninja not found (pip install ninja)") from None
+    from torch.utils import cpp_extension
+
+    key = _cpu_key()
+    builds = ([(f"litellm_cpu_kernels_{key}", ["-march=native"])] if key else []) + [
+        ("litellm_cpu_kernels_generic", [])
+    ]
+    for i, (name, arch) in enumerate(builds):
+        build_dir = extension_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *arch],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
+            break
+        except Exception:
+            if i == len(builds) - 1:
+                raise  # a native build can fail where a generic one works (an assembler older than the CPU)
+    return getattr(torch.ops, NAMESPACE)
+
+
+def ops():
+    """The op namespace, building it on first use; raises (the same error every time) if it cannot be built."""
+    global _ops, _error
+    if _ops is not None:
+        return _ops
+    with _lock:
+        if _ops is None and _error is None:
+            try:
+                _ops = build()
+            except Exception as exc:
+                _error = exc
+    if _error is not None:
+        raise _error
+    return _ops
+
+
+def reason(exc: BaseException) -> str:
+    """One line: the exception's first line plus the compiler's first ``error:`` line when there is one."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    head = f"{type(exc).__name__}: {lines[0] if lines else ''}"[:200]
+    err = next((ln for ln in lines[1:] if "error" in ln.lower()), None)
+    return head + (f" ... {err[:200]}" if err else "")

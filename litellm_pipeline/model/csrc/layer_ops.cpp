@@ -1,0 +1,334 @@
+// Fused CPU layer ops for the decoder: a skinny-matrix linear and the small per-layer elementwise steps.
+//
+// small_linear: y[M, O] = x[M, K] @ w[O, K]^T (+ bias) for the few rows of a decode step. A general GEMM
+// (MKL) is tuned for big M; at M = 1..32 it leaves memory bandwidth or FMA units idle. Here every thread
+// takes a run of output rows; a tile is R weight rows x up to 4 input rows held in 16 zmm accumulators, so
+// each weight byte is read from memory once and reused from L1 for the other input rows. Accumulation is
+// float32 whatever the dtype; bf16 is widened on load (exact), and the sum rounds once at the end, as a
+// float32-accumulating GEMM does.
+//
+// The elementwise ops round where the torch reference rounds (after each product / sum in the activation
+// dtype), so bf16 results match it; float32 code is compiled without FMA contraction for the same reason.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define LLP_AVX512 1
+#else
+#define LLP_AVX512 0
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#define LLP_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+
+namespace {
+
+using llp::exp_f;
+using llp::to_f;
+
+template <typename T>
+inline T from_f(float x) { return static_cast<T>(x); }  // round to nearest even (c10 conversions)
+// the value a T holds after rounding x (identity for float)
+template <typename T>
+inline float rnd(float x) { return to_f(from_f<T>(x)); }
+
+// ---------------------------------------------------------------------------------------------- small_linear
+#if LLP_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]).
+template <typename T, int MC, int R>
+inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const T* __restrict bias,
+                 T* __restrict y, int64_t ldy) {
+  __m512 acc[MC][R];
+#pragma GCC unroll 4
+  for (int m = 0; m < MC; ++m)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MC; ++m) {
+      const __m512 xv = load16(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k, mask);
+    for (int m = 0; m < MC; ++m) {
+      const __m512 xv = load16(x + m * K + k, mask);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = _mm512_reduce_add_ps(acc[m][r]);
+      if (bias) s += to_f(bias[r]);
+      y[m * ldy + r] = from_f<T>(s);
+    }
+}
+
+// the last < R output rows: one at a time
+template <typename T>
+inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) tile<T, 1, 1>(x + m * K, K, w, bias, y + m * ldy, ldy);
+}
+
+template <typename T>
+void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t O, int64_t o0,
+                 int64_t o1) {
+  if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
+    int64_t o = o0;
+    for (; o + 8 <= o1; o += 8) tile<T, 1, 8>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    for (; o < o1; ++o) tile<T, 1, 1>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    return;
+  }
+  constexpr int R = 4;
+  int64_t o = o0;
+  for (; o + R <= o1; o += R) {
+    const T* wt = w + o * K;
+    const T* bt = bias ? bias + o : nullptr;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) tile<T, 4, R>(x + m * K, K, wt, bt, y + m * O + o, O);
+    switch (M - m) {
+      case 1: tile<T, 1, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      case 2: tile<T, 2, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      case 3: tile<T, 3, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      default: break;
+    }
+  }
+  for (; o < o1; ++o) tile_rest<T>(x, M, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+}
+#endif  // LLP_AVX512
+
+bool small_linear_supported() { return LLP_AVX512; }
+
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(LLP_AVX512, "small_linear: this build has no AVX-512 kernel (use torch linear)");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x [M, K], w [O, K] expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_linear: x and w must share a dtype");
+  const int64_t M = x.size(0), K = x.size(1), O = w.size(0);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == O && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "small_linear: bias must be a contiguous [O] tensor of x's dtype");
+  }
+  at::Tensor y = at::empty({M, O}, x.options());
+#if LLP_AVX512
+  // output rows per task: a multiple of 8, and enough of them that a task reads >= ~64 KB of weights
+  const int64_t grain = std::max<int64_t>(1, (16384 + K - 1) / K / 8);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
+    T* yp = y.data_ptr<T>();
+    at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
+      linear_rows<T>(xp, wp, bp, yp, M, K, O, b * 8, std::min(O, e * 8));
+    });
+  };
+  switch (x.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "small_linear: dtype ", x.scalar_type(), " not supported (float32, bfloat16)");
+  }
+#endif
+  return y;
+}
+
+// ---------------------------------------------------------------------------------------------- elementwise
+// rows per task so that a task touches >= ~16K elements (small steps stay on one thread)
+inline int64_t row_grain(int64_t d) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)); }
+
+template <typename T>
+LLP_NO_CONTRACT inline void norm_row(const T* x, const T* w, float eps, T* out, int64_t d) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += to_f(x[i]) * to_f(x[i]);
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(d) + eps);
+  // reference: weight * (x.float() * rsqrt(var + eps)).to(dtype), the product rounding in dtype
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = from_f<T>(to_f(w[i]) * rnd<T>(to_f(x[i]) * inv));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, ": the last dim of x must be contiguous");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1), name, ": weight must be [D] contiguous");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), name, ": x and weight must share a dtype");
+}
+
+template <typename F>
+void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype ", t, " not supported (float32, bfloat16, float16)");
+  }
+}
+
+// RMSNorm over the last dim of x (any leading shape, rows contiguous after reshape).
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
+  check_rows(x_in, w, "rms_norm");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t d = x.size(-1), n = x.numel() / std::max<int64_t>(d, 1);
+  at::Tensor out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, row_grain(d), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) norm_row<T>(xp + r * d, wp, static_cast<float>(eps), op + r * d, d);
+    });
+  });
+  return out;
+}
+
+// s = x + residual (rounded in dtype), and rms_norm(s): the residual add and the next norm in one pass.
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at::Tensor& r_in, const at::Tensor& w,
+                                                double eps) {
+  check_rows(x_in, w, "add_rms_norm");
+  TORCH_CHECK(x_in.sizes() == r_in.sizes() && x_in.scalar_type() == r_in.scalar_type(),
+              "add_rms_norm: x and residual must share shape and dtype");
+  const at::Tensor x = x_in.contiguous(), res = r_in.contiguous();
+  const int64_t d = x.size(-1), n = x.numel() / std::max<int64_t>(d, 1);
+  at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
+  dispatch_float_types(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    const T* xp = x.data_ptr<T>();
+    const T* rp = res.data_ptr<T>();
+    const T* wp = w.data_ptr<T>();
+    T* sp = sum.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, row_grain(d), [&](int64_t b, int64_t e) {
+      for (int64_t row = b; row < e; ++row) {
+        const int64_t o = row * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) sp[o + i] = from_f<T>(to_f(xp[o + i]) + to_f(rp[o + i]));
+        norm_row<T>(sp + o, wp, static_cast<float>(eps), op + o, d);
+      }
+    });
+  });
+  return {sum, out};
+}
+
+// silu(gate) * up for gate_up = [..., 2I] (gate first): the SwiGLU activation of a stacked projection.
+at::Tensor silu_mul(const at::Tensor& gu_in) {
+  TORCH_CHECK(gu_in.dim() >= 1 && gu_in.size(-1) % 2 == 0, "silu_mul: the last dim must be even (gate, up)");
+  const at::Tensor gu = gu_in.contiguous();
+  const int64_t two_i = gu.size(-1), inter = two_i / 2, n = gu.numel() / std::max<int64_t>(two_i, 1);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = inter;
+  at::Tensor out = at::empty(sizes, gu.options());
+  dispatch_float_types(gu.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    const T* gp = gu.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, n, row_grain(two_i), [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
+        const T* g = gp + r * two_i;
+        const T* u = g + inter;
+        T* o = op + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+          const float a = to_f(g[i]);
+          o[i] = from_f<T>(rnd<T>(a / (1.0f + exp_f(-a))) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// In place: x[t, h, :] rotated by cos/sin[t, :] (rotate_half form, both halves of cos/sin equal), each product
+// and the sum rounded in x's dtype as the reference does.
+template <typename T>
+LLP_NO_CONTRACT void rotate(T* base, int64_t sh, int64_t heads, const T* c, const T* s, int64_t half) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* v = base + h * sh;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float lo = to_f(v[i]), hi = to_f(v[i + half]);
+      const float ci = to_f(c[i]), si = to_f(s[i]);
+      const float new_lo = rnd<T>(lo * ci) + rnd<T>(-hi * si);
+      const float new_hi = rnd<T>(hi * ci) + rnd<T>(lo * si);
+      v[i] = from_f<T>(new_lo);
+      v[i + half] = from_f<T>(new_hi);
+    }
+  }
+}
+
+void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Tensor& sin_in) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2),
+              "rotary_: q [T, Hq, D] and k [T, Hk, D] expected");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1, "rotary_: head dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && cos_in.scalar_type() == q.scalar_type() &&
+                  sin_in.scalar_type() == q.scalar_type(),
+              "rotary_: q, k, cos and sin must share a dtype");
+  const int64_t t = q.size(0), d = q.size(2);
+  TORCH_CHECK(d % 2 == 0, "rotary_: head dim must be even");
+  TORCH_CHECK(cos_in.dim() == 2 && cos_in.size(0) == t && cos_in.size(1) == d && sin_in.sizes() == cos_in.sizes(),
+              "rotary_: cos/sin must be [T, D]");
+  const at::Tensor cs = cos_in.contiguous(), sn = sin_in.contiguous();
+  dispatch_float_types(q.scalar_type(), "rotary_", [&](auto tag) {
+    using T = decltype(tag);
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    const T* cp = cs.data_ptr<T>();
+    const T* sp = sn.data_ptr<T>();
+    const int64_t hq = q.size(1), hk = k.size(1);
+    at::parallel_for(0, t, row_grain((hq + hk) * d), [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        rotate<T>(qp + i * q.stride(0), q.stride(1), hq, cp + i * d, sp + i * d, d / 2);
+        rotate<T>(kp + i * k.stride(0), k.stride(1), hk, cp + i * d, sp + i * d, d / 2);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
+  m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("small_linear_supported", &small_linear_supported);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
+  m.impl("small_linear", &small_linear);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rotary_", &rotary_);
+}

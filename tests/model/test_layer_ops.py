@@ -1,0 +1,159 @@
+"""layer_ops: the cpu_fused C++ ops equal the torch reference (bit for bit in bf16/fp16, to rounding in fp32),
+the small-M linear equals a float64 GEMM over every tile shape it has (row tails, K tails, bias), inputs it
+does not cover go to torch unchanged, a kernel that cannot build degrades to torch with a warning, and whole
+models generate transformers' tokens with the reference ops too."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_models import hf_generate, random_prompts
+from litellm_pipeline import LLM, SamplingParams, registry
+from litellm_pipeline.model import cpu_kernels, layer_ops
+from litellm_pipeline.model.layer_ops import CpuFusedLayerOps, TorchLayerOps
+
+HALF = (torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, *HALF)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler")
+    ops = CpuFusedLayerOps()
+    assert ops._ok, "C++ kernels did not build"
+    return ops
+
+
+REF = TorchLayerOps()
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, dtype) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if dtype in HALF:
+        assert torch.equal(a, b), (a.float() - b.float()).abs().max()
+    else:
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_elementwise_ops_match_reference(fused, dtype):
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    x, w = rnd(7, 3, 64, scale=3.0), rnd(64)
+    _same(fused.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6), dtype)
+    strided = rnd(5, 200)[:, :96]  # rows that are not contiguous with each other
+    w96 = rnd(96)
+    _same(fused.rms_norm(strided, w96, 1e-5), REF.rms_norm(strided, w96, 1e-5), dtype)
+    h, r = rnd(5, 96), rnd(5, 96)
+    (s1, n1), (s2, n2) = fused.add_rms_norm(h, r, w96, 1e-5), REF.add_rms_norm(h, r, w96, 1e-5)
+    assert torch.equal(s1, s2)
+    _same(n1, n2, dtype)
+    gu = rnd(6, 2 * 50, scale=4.0)  # large |x| too: the exp must neither overflow nor flush wrongly
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0]).to(dtype)
+    _same(fused.silu_mul(gu), REF.silu_mul(gu), dtype)
+    # RoPE on views of one fused qkv row block, as the attention layer hands them over
+    qkv = rnd(9, (4 + 2 * 2) * 16)
+    q, k, _ = qkv.split([64, 32, 32], dim=-1)
+    q, k = q.reshape(9, 4, 16), k.reshape(9, 2, 16)
+    half_c, half_s = torch.randn(9, 8, generator=g), torch.randn(9, 8, generator=g)
+    cos, sin = torch.cat((half_c, half_c), -1).to(dtype), torch.cat((half_s, half_s), -1).to(dtype)
+    q_ref, k_ref = REF.rotary(q.clone(), k.clone(), cos, sin)
+    q_out, k_out = fused.rotary(q, k, cos, sin)
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)  # no rounding differences even in fp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
+@pytest.mark.parametrize("out_f,in_f", [(37, 45), (2304, 768), (96, 16), (8, 200)])
+def test_small_linear_equals_float64_gemm(fused, dtype, rows, out_f, in_f):
+    g = torch.Generator().manual_seed(rows * 1000 + out_f)
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    w = torch.randn(out_f, in_f, generator=g).to(dtype)
+    b = torch.randn(out_f, generator=g).to(dtype)
+    fused.max_rows[dtype] = 32  # exercise the kernel at every row count here
+    try:
+        for bias in (None, b):
+            out = fused.linear(x, w, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert out.dtype == dtype and out.shape == (rows, out_f)
+            # fp32: accumulation order only; bf16: one final rounding (2^-8 relative)
+            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            err = ((out.double() - ref).abs() / (ref.abs() + in_f**0.5)).max().item()
+            assert err < tol, err
+    finally:
+        fused.max_rows.update(layer_ops.SMALL_LINEAR_MAX_ROWS)
+
+
+def test_linear_outside_the_kernel_is_torch(fused):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 48, generator=g)
+    many = torch.randn(layer_ops.SMALL_LINEAR_MAX_ROWS[torch.float32] + 1, 48, generator=g)
+    assert torch.equal(fused.linear(many, w), F.linear(many, w))
+    x64, w64 = torch.randn(2, 48, dtype=torch.float64, generator=g), w.double()
+    assert torch.equal(fused.linear(x64, w64), F.linear(x64, w64))
+    noncontig = torch.randn(48, 2, generator=g).t()
+    assert torch.equal(fused.linear(noncontig, w), F.linear(noncontig, w))
+    fp16 = torch.randn(2, 48, generator=g).half()
+    assert torch.equal(fused.linear(fp16, w.half()), F.linear(fp16, w.half()))
+
+
+def test_kernel_errors_name_the_problem(fused):
+    op = cpu_kernels.ops()
+    with pytest.raises(RuntimeError, match="x and w must share a dtype"):
+        op.small_linear(torch.randn(1, 8), torch.randn(4, 8).double(), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous"):
+        op.small_linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        op.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="last dim must be even"):
+        op.silu_mul(torch.randn(2, 7))
+
+
+def test_unbuildable_kernels_fall_back_to_torch_with_a_warning(monkeypatch):
+    def broken():
+        raise RuntimeError("Error building extension 'x': c++: not found")
+
+    monkeypatch.setattr(cpu_kernels, "ops", broken)
+    with pytest.warns(RuntimeWarning, match="cpu_fused runs the torch ops.*c\\+\\+: not found"):
+        ops = CpuFusedLayerOps()
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(ops.rms_norm(x, w, 1e-6), REF.rms_norm(x, w, 1e-6))
+        w4 = torch.randn(4, 16)
+        assert torch.equal(ops.linear(x, w4), F.linear(x, w4))
+
+
+def test_registered():
+    assert registry.get("layer_ops", "torch") is TorchLayerOps
+    assert registry.get("layer_ops", "cpu_fused") is CpuFusedLayerOps
+    with pytest.raises(registry.RegistryError, match="cpu_fused"):
+        registry.get("layer_ops", "nope")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"])
+def test_reference_ops_keep_transformers_parity(arch, hf_checkpoint):
+    """The torch reference ops (selected by config) give transformers' tokens: qkv bias, qk-norm, MoE experts."""
+    path = hf_checkpoint(arch)
+    prompts = random_prompts((5, 13), seed=11)
+    llm = LLM(model=str(path), overrides=["pipeline.stages.decode.params.layer_ops=torch"])
+    assert isinstance(llm.engine.rt.model.layers[0].self_attn.ops, TorchLayerOps)
+    assert not isinstance(llm.engine.rt.model.layers[0].self_attn.ops, CpuFusedLayerOps)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [r[0] for r in hf_generate(path, prompts, 12)]
+
+
+def test_fused_ops_are_bound_to_every_layer(hf_checkpoint):
+    llm = LLM(model=str(hf_checkpoint("qwen3_moe")))
+    model = llm.engine.rt.model
+    bound = {type(m.ops) for m in model.modules() if hasattr(m, "ops")}
+    assert bound == {CpuFusedLayerOps}
