@@ -46,14 +46,11 @@ inline float rnd(float x) { return to_f(from_f<T>(x)); }
 // ---------------------------------------------------------------------------------------------- small_linear
 #if LLP_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+inline __m512 load16(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  __m256i h = _mm256_maskz_loadu_epi16(m, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return widen(_mm256_maskz_loadu_epi16(m, p));
 }
 
 // MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]).
@@ -66,6 +63,25 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
+  if constexpr (sizeof(T) == 2) {
+    // 16-bit weights: a whole cache line (32 values) per row per step, or each row streams at half the rate
+    for (; k + 32 <= K; k += 32) {
+      __m512 wlo[R], whi[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i raw = _mm512_loadu_si512(w + r * K + k);
+        wlo[r] = widen(_mm512_castsi512_si256(raw));
+        whi[r] = widen(_mm512_extracti64x4_epi64(raw, 1));
+      }
+#pragma GCC unroll 4
+      for (int m = 0; m < MC; ++m) {
+        const __m512i raw = _mm512_loadu_si512(x + m * K + k);
+        const __m512 xlo = widen(_mm512_castsi512_si256(raw)), xhi = widen(_mm512_extracti64x4_epi64(raw, 1));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xhi, whi[r], _mm512_fmadd_ps(xlo, wlo[r], acc[m][r]));
+      }
+    }
+  }
   for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
 #pragma GCC unroll 8
