@@ -110,6 +110,24 @@ def test_bad_bench_settings_name_the_key():
         bench_settings({"nope": 1})
 
 
+def test_batch1_bandwidth_fraction_uses_the_adjacent_measurement_for_the_target():
+    from litellm_pipeline.bench import report
+
+    params = {"active_per_token": 100_000_000, "body_active": 80_000_000, "head": 20_000_000}
+    row = {"model": "m", "dtype": "float32", "params": params,
+           "engine": {"prompt_tokens": 10, "output_tokens": 10, "elapsed_s": 1.0, "output_tok_s": 10.0},
+           "batch1": {"tok_s": 50.0, "bandwidth_gbs_adjacent": 25.0}, "prefix": {"speedup": 6.0}}
+    report.derive(row, {"bandwidth_gbs": {"best": 40.0}, "gemm_gflops": {"float32": 100.0}})
+    # 50 tok/s x 400 MB = 20 GB/s: half of the run's 40 GB/s roofline, 80% of the 25 GB/s measured alongside
+    assert row["roofline"]["batch1_bandwidth_pct"] == pytest.approx(50.0)
+    assert row["roofline"]["batch1_bandwidth_pct_adjacent"] == pytest.approx(80.0)
+    (line,) = report.target_lines([row])
+    assert "batch1_bandwidth_pct 80.00 (>= 70: ok)" in line and "prefix_speedup 6.00 (>= 5: ok)" in line
+    row["batch1"]["bandwidth_gbs_adjacent"] = None  # no probe: the run's roofline decides
+    report.derive(row, {"bandwidth_gbs": {"best": 40.0}, "gemm_gflops": {"float32": 100.0}})
+    assert "batch1_bandwidth_pct 50.00 (>= 70: MISSED by 29%)" in report.target_lines([row])[0]
+
+
 def test_peer_is_reported_unavailable_without_transformers(monkeypatch, tmp_path):
     from litellm_pipeline.bench import peer
 
@@ -147,8 +165,9 @@ def _check_common(data: dict, model: str) -> dict:
     for key in ("output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99", "elapsed_s"):
         assert _positive(eng[key]), key
     assert eng["ttft_ms_p50"] <= eng["ttft_ms_p99"]
-    assert _positive(row["batch1"]["tok_s"])
-    for key in ("bandwidth_tok_s", "batch1_bandwidth_pct", "flop_tok_s", "workload_flop_pct"):
+    assert _positive(row["batch1"]["tok_s"]) and _positive(row["batch1"]["bandwidth_gbs_adjacent"])
+    for key in ("bandwidth_tok_s", "batch1_bandwidth_pct", "batch1_bandwidth_pct_adjacent", "flop_tok_s",
+                "workload_flop_pct"):
         assert _positive(row["roofline"][key]), key
     for key in ("ttft_ms_hit", "ttft_ms_cold", "speedup"):
         assert _positive(row["prefix"][key]), key

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from litellm_pipeline.bench import engine_runs, peer, report
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
-from litellm_pipeline.bench.roofline import measure_roofline
+from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
 from litellm_pipeline.bench.settings import BenchSettings, bench_settings
 from litellm_pipeline.bench.workload import batch1_item, make_workload
 from litellm_pipeline.errors import ConfigError
@@ -88,7 +88,9 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     mark("engine workload")
     bar.set_description(f"{tag}: engine batch-1 decode")
     b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
-    row["batch1"] = engine_runs.batch1_decode(engine, b1, s.batch1_repeats)
+    rl = s.roofline
+    probe = lambda: gemv_bandwidth(rl.bandwidth_mb, min(rl.repeats, 3), torch.float32, device) / 1e9  # noqa: E731
+    row["batch1"] = engine_runs.batch1_decode(engine, b1, s.batch1_repeats, probe)
     bar.update()
     mark("engine batch-1")
     row["prefix"] = None

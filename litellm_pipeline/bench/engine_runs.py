@@ -69,13 +69,24 @@ def run_workload(engine, items: Sequence[WorkItem], on_finish: Callable[[], None
     return metrics
 
 
-def batch1_decode(engine, item: WorkItem, repeats: int) -> dict:
-    """One request alone: output tokens/s after the first token (pure decode), best of ``repeats``."""
+def batch1_decode(engine, item: WorkItem, repeats: int, probe: Callable[[], float] | None = None) -> dict:
+    """One request alone: output tokens/s after the first token (pure decode), best of ``repeats``.
+
+    ``probe`` (read bandwidth in GB/s, measured now) runs before every repeat and after the last: on a shared
+    machine the bandwidth a neighbour leaves us drifts over a long bench, so the batch-1 run is also compared
+    with what the memory system delivered next to it (``bandwidth_gbs_adjacent``, the best probe).
+    """
     best = float("inf")
+    probes = []
     for _ in range(repeats):
+        if probe is not None:
+            probes.append(probe())
         (r,) = run_requests(engine, [item])
         best = min(best, (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1))
-    return {"prompt_len": len(item.prompt_ids), "output_len": item.output_len, "tpot_ms": best * 1e3, "tok_s": 1.0 / max(best, 1e-9)}
+    if probe is not None:
+        probes.append(probe())
+    return {"prompt_len": len(item.prompt_ids), "output_len": item.output_len, "tpot_ms": best * 1e3,
+            "tok_s": 1.0 / max(best, 1e-9), "bandwidth_gbs_adjacent": max(probes) if probes else None}
 
 
 def prefix_ttft(engine, prefix_len: int, suffix_len: int, seed: int) -> dict:

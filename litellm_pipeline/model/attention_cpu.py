@@ -63,7 +63,7 @@ def kernel() -> Callable | None:
 
 
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    if q.device.type != "cpu":
+    if not q.is_cpu:
         return f"inputs on {q.device.type}, the kernel is CPU-only"
     if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return f"dtypes q={q.dtype} cache={k_cache.dtype} not supported"

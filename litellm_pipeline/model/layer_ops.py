@@ -88,7 +88,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._rotary = ns.rotary_.default
 
     def _fits(self, x: torch.Tensor) -> bool:
-        return self._ok and x.device.type == "cpu" and x.dtype in _FUSED_DTYPES
+        return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
 
     def linear(self, x, w, bias=None):
         if (
@@ -96,7 +96,7 @@ class CpuFusedLayerOps(TorchLayerOps):
             and self._small_linear is not None
             and x.dim() == 2
             and x.shape[0] <= self.max_rows.get(x.dtype, 0)
-            and x.device.type == "cpu"
+            and x.is_cpu
             and x.dtype == w.dtype
             and x.is_contiguous()
             and w.is_contiguous()
