@@ -35,6 +35,11 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None  # [B] long
     _decode_masks: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def decode_only(self) -> bool:
+        """Every token of the step is a sequence's next token (no prompt chunk)."""
+        return not self.prefills and self.decode_rows is not None
+
     def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, 1, Lmax]: 0 where a decode token may attend, -inf elsewhere (cached per window)."""
         key = (sliding_window, dtype)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from litellm_pipeline.model.attention_cpu import cpu_paged_attention
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.layers import REFERENCE_OPS, Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
@@ -65,6 +66,10 @@ class CausalLM(nn.Module):
             for m in self.modules():
                 if m is not self and hasattr(m, "ops"):
                     m.ops = ops
+        # a fused decode step runs the paged attention kernel inside it, so it stands in for cpu_paged only
+        fused = getattr(self.ops, "decode_attention", None) if attn_fn is cpu_paged_attention else None
+        for layer in self.layers:
+            layer.fused_decode = fused
 
     @torch.inference_mode()
     def forward(

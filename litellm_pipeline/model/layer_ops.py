@@ -8,6 +8,11 @@ layer of the model. Its methods:
 * ``add_rms_norm(x, residual, w, eps)`` — ``(s, rms_norm(s))`` with ``s = x + residual``
 * ``silu_mul(gate_up)`` — ``silu(gate) * up`` of a stacked ``[..., 2I]`` projection
 * ``rotary(q, k, cos, sin)`` — RoPE of ``q [T, Hq, D]`` and ``k [T, Hk, D]``; may rotate them in place
+* ``residual_mlp(h, x, mlp)`` — ``h + mlp(x)`` for a dense ``GatedMLP``
+* optionally ``decode_attention(layer, h, cos, sin, meta, k_cache, v_cache)`` — a layer's whole attention half
+  for a decode-only step, or None (then it runs op by op); used only with ``cpu_paged`` attention
+* optionally ``moe_experts(x, expert_idx, expert_w, w13, w2)`` — a whole MoE expert block, or None (then the
+  ``fused`` MoE dispatch runs ``packed`` with these ops)
 
 ``torch`` is the reference (plain torch ops, transformers' order of operations). ``cpu_fused`` runs the same
 math through the C++ kernels of ``csrc/layer_ops.cpp``: each elementwise step is one pass instead of 5-20 torch
@@ -52,6 +57,10 @@ class TorchLayerOps:
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return apply_rotary(q, k, cos, sin)
 
+    def residual_mlp(self, h: torch.Tensor, x: torch.Tensor, mlp) -> torch.Tensor:
+        """``h + mlp(x)`` for a dense ``GatedMLP``."""
+        return h + mlp(x)
+
 
 # Most rows for which the small-M linear kernel runs, per dtype. Measured against torch's GEMM (MKL / oneDNN)
 # on 768x2304, 768x4096 and 2048x768 weights with 2 threads: float32 is 1.05-1.25x faster at 1-3 rows,
@@ -86,6 +95,9 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._add_rms_norm = ns.add_rms_norm.default
         self._silu_mul = ns.silu_mul.default
         self._rotary = ns.rotary_.default
+        self._moe_experts = ns.moe_experts.default
+        self._decode_attention_block = ns.decode_attention_block.default
+        self._residual_mlp = ns.residual_mlp.default
 
     def _fits(self, x: torch.Tensor) -> bool:
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
@@ -124,3 +136,33 @@ class CpuFusedLayerOps(TorchLayerOps):
             self._rotary(q, k, cos, sin)
             return q, k
         return super().rotary(q, k, cos, sin)
+
+    def moe_experts(self, x, expert_idx, expert_w, w13, w2):
+        """All experts of a MoE block in one C++ call (see ``moe_dispatch: fused``); None where it does not apply."""
+        if self._fits(x) and w13.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous():
+            return self._moe_experts(x, expert_idx, expert_w, w13, w2, self.max_rows.get(x.dtype, 0))
+        return None
+
+    def residual_mlp(self, h, x, mlp):
+        if self._fits(x) and h.dtype == x.dtype and mlp.gate_up_proj.dtype == x.dtype:
+            return self._residual_mlp(h, x, mlp.gate_up_proj, mlp.down_proj, self.max_rows.get(x.dtype, 0))
+        return super().residual_mlp(h, x, mlp)
+
+    def decode_attention(self, layer, h, cos, sin, meta, k_cache, v_cache):
+        """The attention half of ``layer`` in one C++ call for a decode-only step: ``(h + attn, post-norm)``.
+
+        Only bound when the layer's attention is ``cpu_paged`` (the kernel it runs inside); None where the
+        inputs are outside what the kernels take, and the layer then runs op by op.
+        """
+        attn = layer.self_attn
+        if not (self._fits(h) and cos.dtype == h.dtype and k_cache.dtype == h.dtype and k_cache.is_contiguous()):
+            return None
+        qn, kn = attn.q_norm, attn.k_norm
+        return self._decode_attention_block(
+            h, layer.input_layernorm.weight, layer.input_layernorm.eps, attn.qkv_proj, attn.qkv_bias,
+            None if qn is None else qn.weight, None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
+            cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(),
+            meta.decode_ctx_lens, attn.scale, attn.sliding_window or 0, attn.o_proj,
+            layer.post_attention_layernorm.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            self.max_rows.get(h.dtype, 0),
+        )

@@ -128,9 +128,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.is_moe = isinstance(mlp, SparseMoE)
         self.ops = REFERENCE_OPS
+        self.fused_decode: Callable | None = None  # the ops' decode_attention, when bound (see CausalLM.bind)
 
     def forward(self, h, cos, sin, meta, k_cache, v_cache, plan: RoutePlan | None) -> torch.Tensor:
-        post = self.post_attention_layernorm
-        a = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
-        h, x = self.ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm in one pass
-        return h + (self.mlp(x, plan) if self.is_moe else self.mlp(x))
+        hx = None
+        if self.fused_decode is not None and meta.decode_only:
+            hx = self.fused_decode(self, h, cos, sin, meta, k_cache, v_cache)
+        if hx is None:
+            post = self.post_attention_layernorm
+            a = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
+            hx = self.ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm in one pass
+        h, x = hx
+        return h + self.mlp(x, plan) if self.is_moe else self.ops.residual_mlp(h, x, self.mlp)

@@ -41,12 +41,7 @@ def route_tokens(
 
 @register("moe_dispatch", "packed")
 def packed_dispatch(
-    x: torch.Tensor,
-    expert_idx: torch.Tensor,
-    expert_w: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    ops,
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ops
 ) -> torch.Tensor:
     """Group the (token, expert) pairs of the whole batch by expert and run each expert once on its pack."""
     t, k = expert_idx.shape
@@ -69,3 +64,14 @@ def packed_dispatch(
         ye = ye * flat_w[sel, None]
         out.index_put_((tok,), ye.to(out.dtype), accumulate=True)  # tok is unique per expert; faster than index_add_ on CPU
     return out
+
+
+@register("moe_dispatch", "fused")
+def fused_dispatch(
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ops
+) -> torch.Tensor:
+    """``packed`` as one call into the layer ops (``cpu_fused``: C++), same grouping and rounding; ``packed`` itself
+    where the layer ops have no such call or it does not apply (another device or dtype)."""
+    run = getattr(ops, "moe_experts", None)
+    out = run(x, expert_idx, expert_w, w13, w2) if run is not None else None
+    return out if out is not None else packed_dispatch(x, expert_idx, expert_w, w13, w2, ops)

@@ -188,11 +188,17 @@ def test_end_to_end_greedy_equals_default(kernel, hf_checkpoint, monkeypatch):
     prompts = [list(range(3, 3 + n)) for n in (5, 20, 40)]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     outs = {}
-    for name, overrides in (("sdpa", []), ("cpu_paged", ["pipeline.stages.decode.params.attention=cpu_paged"])):
+    configs = (
+        ("sdpa", ["pipeline.stages.decode.params.attention=sdpa"]),
+        # torch layer ops: every attention call goes through the Python entry point, where it is counted
+        ("cpu_paged", ["pipeline.stages.decode.params.attention=cpu_paged", "pipeline.stages.decode.params.layer_ops=torch"]),
+        ("default", []),  # cpu_paged inside the fused decode block of cpu_fused layer ops
+    )
+    for name, overrides in configs:
         llm = LLM(model=path, overrides=overrides)
         first = [o.token_ids for o in llm.generate(prompts, params)]
         again = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]  # prefix-cache hits
         outs[name] = (first, again)
-    assert outs["cpu_paged"] == outs["sdpa"]
+    assert outs["cpu_paged"] == outs["sdpa"] == outs["default"]
     assert 1 in calls  # the kernel really ran (no silent fallback)
     assert outs["sdpa"][0] == outs["sdpa"][1]

@@ -157,3 +157,30 @@ def test_fused_ops_are_bound_to_every_layer(hf_checkpoint):
     model = llm.engine.rt.model
     bound = {type(m.ops) for m in model.modules() if hasattr(m, "ops")}
     assert bound == {CpuFusedLayerOps}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_decode_block_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
+    """The one-call decode layer (attention half, dense MLP) gives bit-identical logprobs to the same ops one by
+    one: qkv bias (qwen2), q/k norm (qwen3), sliding window (mistral), MoE layers keep their MLP."""
+    path = hf_checkpoint(arch)
+    prompts = random_prompts((5, 13, 21), seed=12)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = []
+    for fuse in (True, False):
+        llm = LLM(model=str(path), dtype=dtype)
+        layers = llm.engine.rt.model.layers
+        assert all(layer.fused_decode is not None for layer in layers)
+        if not fuse:
+            for layer in layers:
+                layer.fused_decode = None
+        outs = llm.generate(prompts, params)
+        runs.append([(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs])
+        assert llm.engine.rt.pool.is_empty()
+    assert runs[0] == runs[1]
+
+
+def test_fused_decode_only_with_the_paged_kernel(hf_checkpoint):
+    llm = LLM(model=str(hf_checkpoint("llama")), overrides=["pipeline.stages.decode.params.attention=sdpa"])
+    assert all(layer.fused_decode is None for layer in llm.engine.rt.model.layers)

@@ -1,6 +1,8 @@
-// Scalar helpers shared by the CPU kernels, written so that `omp simd` loops vectorise them.
+// Helpers shared by the CPU kernels: scalar math written so that `omp simd` loops vectorise it, and the
+// entry points one kernel file calls in another.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -41,5 +43,10 @@ inline float exp_f(float x) {
   std::memcpy(&s2, &e2, sizeof(s2));
   return p * s1 * s2;
 }
+
+// paged_attention.cpp's kernel, for ops that run attention inside a larger fused step
+void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
+                         double scale, int64_t window);
 
 }  // namespace llp

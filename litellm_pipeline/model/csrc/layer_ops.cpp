@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 #define LLP_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 
@@ -330,6 +331,113 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Ten
   });
 }
 
+// ---------------------------------------------------------------------------------------------- MoE experts
+// x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM
+at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows) {
+  const bool small = LLP_AVX512 && x.size(0) <= max_rows &&
+                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  return small ? small_linear(x, w, c10::nullopt) : at::linear(x, w);
+}
+
+// o += rnd(y * g), rounding in T like torch's (T * float32 -> float32).to(T) then an accumulating index_put_
+template <typename T>
+LLP_NO_CONTRACT void add_scaled(T* __restrict o, const T* __restrict y, float g, int64_t n) {
+  for (int64_t h = 0; h < n; ++h) o[h] = from_f<T>(to_f(o[h]) + rnd<T>(to_f(y[h]) * g));
+}
+
+// The packed MoE dispatch of moe.py in one call: the (token, slot) pairs routed to each expert are grouped
+// (experts ascending, tokens in order), each expert runs once on its pack (gate_up, SiLU * up, down), and
+// out[t] += (y * weight) rounds in x's dtype exactly as the torch version's index_put_ accumulation does.
+at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const at::Tensor& w_in,
+                       const at::Tensor& w13, const at::Tensor& w2, int64_t max_rows) {
+  TORCH_CHECK(x_in.dim() == 2 && idx_in.dim() == 2 && w_in.sizes() == idx_in.sizes() && idx_in.size(0) == x_in.size(0),
+              "moe_experts: x [T, H], expert_idx and expert_w [T, K] expected");
+  TORCH_CHECK(idx_in.scalar_type() == at::kLong, "moe_experts: expert_idx must be int64");
+  TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.size(0) == w2.size(0) && w13.size(2) == x_in.size(1) &&
+                  w2.size(1) == x_in.size(1) && w13.size(1) == 2 * w2.size(2),
+              "moe_experts: w13 [E, 2I, H] and w2 [E, H, I] expected");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_experts: expert weights must be contiguous");
+  TORCH_CHECK(w13.scalar_type() == x_in.scalar_type() && w2.scalar_type() == x_in.scalar_type(),
+              "moe_experts: x and expert weights must share a dtype");
+  const at::Tensor x = x_in.contiguous(), idx = idx_in.contiguous(), wts = w_in.to(at::kFloat).contiguous();
+  const int64_t tokens = x.size(0), k = idx.size(1), experts = w13.size(0), hidden = x.size(1);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> slots(experts);  // flat (token * k + slot) per expert, tokens ascending
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    const int64_t e = ip[i];
+    if (e < 0) continue;  // an unused slot (a token limited to fewer experts)
+    TORCH_CHECK(e < experts, "moe_experts: expert index ", e, " out of range (", experts, " experts)");
+    slots[e].push_back(i);
+  }
+  at::Tensor out = at::zeros_like(x);
+  const float* wp = wts.data_ptr<float>();
+  for (int64_t e = 0; e < experts; ++e) {
+    const auto& sl = slots[e];
+    const int64_t n = static_cast<int64_t>(sl.size());
+    if (n == 0) continue;
+    at::Tensor rows = at::empty({n}, idx.options());
+    int64_t* rp = rows.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) rp[i] = sl[i] / k;
+    const at::Tensor y = linear_any(silu_mul(linear_any(x.index_select(0, rows), w13.select(0, e), max_rows)),
+                                    w2.select(0, e), max_rows);
+    dispatch_float_types(x.scalar_type(), "moe_experts", [&](auto tag) {
+      using T = decltype(tag);
+      const T* yp = y.data_ptr<T>();
+      T* op = out.data_ptr<T>();
+      at::parallel_for(0, n, row_grain(hidden), [&](int64_t b, int64_t end) {
+        for (int64_t i = b; i < end; ++i)  // tokens are distinct within one expert: no two tasks share a row
+          add_scaled<T>(op + rp[i] * hidden, yp + i * hidden, wp[sl[i]], hidden);
+      });
+    });
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------- fused blocks
+// The attention half of a decoder layer for a decode-only step (one new token per sequence, no prompt chunk),
+// in one call: input RMSNorm, qkv projection (+ bias), optional q/k RMSNorm, RoPE, the K/V write into the
+// paged cache, paged attention, o projection, residual add and the post-attention RMSNorm. The same kernels
+// run in the same order as the op-by-op path, so results are identical; what goes is the per-op overhead.
+// Returns (h + attention, post_attention_norm(h + attention)).
+std::tuple<at::Tensor, at::Tensor> decode_attention_block(
+    const at::Tensor& h, const at::Tensor& in_norm_w, double eps, const at::Tensor& qkv_w,
+    const c10::optional<at::Tensor>& qkv_b, const c10::optional<at::Tensor>& q_norm_w,
+    const c10::optional<at::Tensor>& k_norm_w, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
+    const at::Tensor& kv_slots, const at::Tensor& ctx_lens, double scale, int64_t window, const at::Tensor& o_w,
+    const at::Tensor& post_norm_w, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_rows) {
+  TORCH_CHECK(h.dim() == 2, "decode_attention_block: h must be [B, H]");
+  const int64_t b = h.size(0);
+  const at::Tensor x = rms_norm(h, in_norm_w, eps);
+  at::Tensor qkv;
+  const bool small = LLP_AVX512 && b <= max_rows && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
+  if (small) {
+    qkv = small_linear(x, qkv_w, qkv_b);
+  } else {
+    qkv = at::linear(x, qkv_w, qkv_b);
+  }
+  const at::Tensor heads = qkv.view({b, num_heads + 2 * num_kv_heads, head_dim});
+  at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+  if (q_norm_w.has_value()) {
+    q = rms_norm(q, *q_norm_w, qk_eps);
+    k = rms_norm(k, *k_norm_w, qk_eps);
+  }
+  rotary_(q, k, cos, sin);
+  k_cache.index_copy_(0, slot_mapping, k);
+  v_cache.index_copy_(0, slot_mapping, v);
+  at::Tensor out = at::empty({b, num_heads, head_dim}, h.options());
+  llp::run_paged_attention(out, q, k_cache, v_cache, rows, kv_slots, ctx_lens, 1, scale, window);
+  const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows);
+  return add_rms_norm(h, a, post_norm_w, eps);
+}
+
+// h + down(silu(gate) * up)(x): a dense SwiGLU MLP and its residual add in one call.
+at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tensor& gate_up_w, const at::Tensor& down_w,
+                        int64_t max_rows) {
+  return h + linear_any(silu_mul(linear_any(x, gate_up_w, max_rows)), down_w, max_rows);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
@@ -339,6 +447,13 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def(
+      "decode_attention_block(Tensor h, Tensor in_norm_w, float eps, Tensor qkv_w, Tensor? qkv_b, Tensor? q_norm_w, "
+      "Tensor? k_norm_w, float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+      "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
+      "Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) -> (Tensor, Tensor)");
+  m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
@@ -347,4 +462,7 @@ TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
+  m.impl("moe_experts", &moe_experts);
+  m.impl("decode_attention_block", &decode_attention_block);
+  m.impl("residual_mlp", &residual_mlp);
 }

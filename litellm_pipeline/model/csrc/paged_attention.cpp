@@ -226,6 +226,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
 
 }  // namespace
 
+namespace llp {
+void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
+                         double scale, int64_t window) {
+  paged_attention(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window);
+}
+}  // namespace llp
+
 TORCH_LIBRARY(litellm_pipeline_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor rows, Tensor slots, "
