@@ -9,6 +9,7 @@ layer of the model. Its methods:
 * ``silu_mul(gate_up)`` — ``silu(gate) * up`` of a stacked ``[..., 2I]`` projection
 * ``rotary(q, k, cos, sin)`` — RoPE of ``q [T, Hq, D]`` and ``k [T, Hk, D]``; may rotate them in place
 * ``residual_mlp(h, x, mlp)`` — ``h + mlp(x)`` for a dense ``GatedMLP``
+* ``route(x, gate, native_k, normalize, plan)`` — a MoE router: ``(expert_idx, expert_w)``
 * optionally ``decode_attention(layer, h, cos, sin, meta, k_cache, v_cache)`` — a layer's whole attention half
   for a decode-only step, or None (then it runs op by op); used only with ``cpu_paged`` attention
 * optionally ``moe_experts(x, expert_idx, expert_w, w13, w2)`` — a whole MoE expert block, or None (then the
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from litellm_pipeline.model import cpu_kernels
+from litellm_pipeline.model.batch import RoutePlan
+from litellm_pipeline.model.moe import route_tokens
 from litellm_pipeline.model.rope import apply_rotary
 from litellm_pipeline.registry import register
 
@@ -60,6 +63,10 @@ class TorchLayerOps:
     def residual_mlp(self, h: torch.Tensor, x: torch.Tensor, mlp) -> torch.Tensor:
         """``h + mlp(x)`` for a dense ``GatedMLP``."""
         return h + mlp(x)
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, native_k: int, normalize: bool, plan: RoutePlan | None):
+        """A MoE block's router: ``(expert_idx, expert_w)`` [T, K] (see ``moe.route_tokens``)."""
+        return route_tokens(self.linear(x, gate), native_k, normalize, plan)
 
 
 # Most rows for which the small-M linear kernel runs, per dtype. Measured against torch's GEMM (MKL / oneDNN)
@@ -98,6 +105,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._moe_experts = ns.moe_experts.default
         self._decode_attention_block = ns.decode_attention_block.default
         self._residual_mlp = ns.residual_mlp.default
+        self._moe_route = ns.moe_route.default
 
     def _fits(self, x: torch.Tensor) -> bool:
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
@@ -166,3 +174,10 @@ class CpuFusedLayerOps(TorchLayerOps):
             layer.post_attention_layernorm.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.max_rows.get(h.dtype, 0),
         )
+
+    def route(self, x, gate, native_k, normalize, plan):
+        # per-token limits (TierSets that differ within the step) stay on the torch path
+        if self._fits(x) and gate.dtype == x.dtype and (plan is None or (plan.top_k is None and plan.allowed is None)):
+            k = native_k if plan is None or plan.max_k is None else plan.max_k
+            return self._moe_route(x, gate, k, normalize, self.max_rows.get(x.dtype, 0))
+        return super().route(x, gate, native_k, normalize, plan)

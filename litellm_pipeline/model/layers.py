@@ -12,7 +12,6 @@ from torch import nn
 
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.layer_ops import TorchLayerOps
-from litellm_pipeline.model.moe import route_tokens
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -112,7 +111,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, plan: RoutePlan | None) -> torch.Tensor:
         ops = self.ops
-        idx, w = route_tokens(ops.linear(x, self.gate), self.top_k, self.normalize, plan)
+        idx, w = ops.route(x, self.gate, self.top_k, self.normalize, plan)
         out = self.dispatch_fn(x, idx, w, self.w13, self.w2, ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)

@@ -184,3 +184,30 @@ def test_fused_decode_block_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
 def test_fused_decode_only_with_the_paged_kernel(hf_checkpoint):
     llm = LLM(model=str(hf_checkpoint("llama")), overrides=["pipeline.stages.decode.params.attention=sdpa"])
     assert all(layer.fused_decode is None for layer in llm.engine.rt.model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_route_and_experts_match_the_torch_path(fused, dtype):
+    from litellm_pipeline.model.batch import RoutePlan
+    from litellm_pipeline.model.moe import fused_dispatch, packed_dispatch
+
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, inter, experts = 7, 32, 24, 6
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    gate = torch.randn(experts, hidden, generator=g).to(dtype)
+    gate[1] = gate[3]  # equal router scores: the lower expert id must win, as with a stable sort
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype)
+    w2 = torch.randn(experts, hidden, inter, generator=g).to(dtype)
+    for k, normalize, plan in [(2, True, None), (3, False, None), (9, True, None), (2, True, RoutePlan(max_k=1))]:
+        idx, w = fused.route(x, gate, k, normalize, plan)
+        ref_idx, ref_w = REF.route(x, gate, k, normalize, plan)
+        assert torch.equal(idx, ref_idx)
+        torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
+        # the one-call expert block equals the op-by-op packed dispatch with the same ops, bit for bit
+        assert torch.equal(fused_dispatch(x, idx, w, w13, w2, fused), packed_dispatch(x, idx, w, w13, w2, fused))
+    # per-token limits go through the torch router
+    plan = RoutePlan(top_k=torch.tensor([1, 2] * 3 + [1]), max_k=2)
+    idx, _ = fused.route(x, gate, 2, True, plan)
+    assert (idx[::2, 1] == -1).all() and (idx[1::2, 1] >= 0).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        cpu_kernels.ops().moe_experts(x, torch.full((tokens, 2), experts), torch.ones(tokens, 2), w13, w2, 32)

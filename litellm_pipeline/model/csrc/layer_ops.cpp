@@ -369,28 +369,77 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
     TORCH_CHECK(e < experts, "moe_experts: expert index ", e, " out of range (", experts, " experts)");
     slots[e].push_back(i);
   }
-  at::Tensor out = at::zeros_like(x);
-  const float* wp = wts.data_ptr<float>();
-  for (int64_t e = 0; e < experts; ++e) {
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (!slots[e].empty()) active.push_back(e);
+  std::vector<at::Tensor> rows(experts), ys(experts);
+  auto run_expert = [&](int64_t e) {
     const auto& sl = slots[e];
     const int64_t n = static_cast<int64_t>(sl.size());
-    if (n == 0) continue;
-    at::Tensor rows = at::empty({n}, idx.options());
-    int64_t* rp = rows.data_ptr<int64_t>();
+    rows[e] = at::empty({n}, idx.options());
+    int64_t* rp = rows[e].data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) rp[i] = sl[i] / k;
-    const at::Tensor y = linear_any(silu_mul(linear_any(x.index_select(0, rows), w13.select(0, e), max_rows)),
-                                    w2.select(0, e), max_rows);
+    ys[e] = linear_any(silu_mul(linear_any(x.index_select(0, rows[e]), w13.select(0, e), max_rows)), w2.select(0, e),
+                       max_rows);
+  };
+  if (tokens <= max_rows && static_cast<int64_t>(active.size()) >= at::get_num_threads()) {
+    // a decode step: whole experts per thread (each streams its own weights), one fork/join for the block
+    // instead of two per expert; ops called inside a parallel region run on the calling thread
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
+      for (int64_t i = b; i < end; ++i) run_expert(active[i]);
+    });
+  } else {
+    for (int64_t e : active) run_expert(e);
+  }
+  at::Tensor out = at::zeros_like(x);
+  const float* wp = wts.data_ptr<float>();
+  for (int64_t e : active) {  // experts ascending: the accumulation order of the torch version
+    const auto& sl = slots[e];
+    const int64_t* rp = rows[e].data_ptr<int64_t>();
     dispatch_float_types(x.scalar_type(), "moe_experts", [&](auto tag) {
       using T = decltype(tag);
-      const T* yp = y.data_ptr<T>();
+      const T* yp = ys[e].data_ptr<T>();
       T* op = out.data_ptr<T>();
-      at::parallel_for(0, n, row_grain(hidden), [&](int64_t b, int64_t end) {
+      at::parallel_for(0, static_cast<int64_t>(sl.size()), row_grain(hidden), [&](int64_t b, int64_t end) {
         for (int64_t i = b; i < end; ++i)  // tokens are distinct within one expert: no two tasks share a row
           add_scaled<T>(op + rp[i] * hidden, yp + i * hidden, wp[sl[i]], hidden);
       });
     });
   }
   return out;
+}
+
+// Router of a MoE block without TierSet limits: logits = x @ gate^T, float32 softmax, the k largest per token (ties
+// to the lower expert id, as a stable descending sort gives), optionally renormalised to sum to 1.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, int64_t k, bool normalize,
+                                             int64_t max_rows) {
+  const at::Tensor probs = at::softmax(linear_any(x, gate_w, max_rows), -1, at::kFloat).contiguous();
+  const int64_t tokens = probs.size(0), experts = probs.size(1);
+  k = std::min(k, experts);
+  TORCH_CHECK(k >= 1, "moe_route: k must be >= 1");
+  at::Tensor idx = at::empty({tokens, k}, x.options().dtype(at::kLong));
+  at::Tensor w = at::empty({tokens, k}, x.options().dtype(at::kFloat));
+  const float* pp = probs.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  float* wp = w.data_ptr<float>();
+  std::vector<char> taken(experts);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* p = pp + t * experts;
+    std::fill(taken.begin(), taken.end(), 0);
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < experts; ++e)
+        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+      taken[best] = 1;
+      ip[t * k + j] = best;
+      wp[t * k + j] = p[best];
+      sum += p[best];
+    }
+    if (normalize)
+      for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= sum;
+  }
+  return {idx, w};
 }
 
 // ---------------------------------------------------------------------------------------------- fused blocks
@@ -452,6 +501,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "Tensor? k_norm_w, float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
       "Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) -> (Tensor, Tensor)");
+  m.def("moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows) -> (Tensor, Tensor)");
   m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows) -> Tensor");
 }
@@ -465,4 +515,5 @@ TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("moe_experts", &moe_experts);
   m.impl("decode_attention_block", &decode_attention_block);
   m.impl("residual_mlp", &residual_mlp);
+  m.impl("moe_route", &moe_route);
 }
