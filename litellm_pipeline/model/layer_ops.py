@@ -81,11 +81,8 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CpuFusedLayerOps(TorchLayerOps):
     """C++ kernels on CPU tensors; the torch reference for anything else (or when the kernels cannot build)."""
 
-    def __init__(self, small_linear_max_rows: dict | None = None):
+    def __init__(self):
         self.max_rows = dict(SMALL_LINEAR_MAX_ROWS)
-        if small_linear_max_rows:
-            by_name = {str(k).removeprefix("torch."): v for k, v in small_linear_max_rows.items()}
-            self.max_rows.update({getattr(torch, k): int(v) for k, v in by_name.items()})
         try:
             ns = cpu_kernels.ops()
         except Exception as exc:  # no compiler, a failed build: run as the torch reference
