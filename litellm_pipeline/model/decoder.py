@@ -11,6 +11,7 @@ from torch import nn
 from litellm_pipeline.model.attention_cpu import cpu_paged_attention
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.moe import fused_dispatch
 from litellm_pipeline.model.layers import REFERENCE_OPS, Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
 from litellm_pipeline.model.rope import RotaryEmbedding
 
@@ -54,6 +55,8 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.dynamic_rope = cfg.rope.get("rope_type") == "dynamic"
         self.ops = REFERENCE_OPS
+        self.fused_decode_layers: Callable | None = None  # the ops' decode_layers, when bound (see bind)
+        self.decode_weights: dict | None = None
 
     def bind(self, attn_fn: Callable, dispatch_fn: Callable, ops: object | None = None) -> None:
         """Swap the attention / MoE dispatch / layer ops implementations of every layer (once, at build time)."""
@@ -70,6 +73,48 @@ class CausalLM(nn.Module):
         fused = getattr(self.ops, "decode_attention", None) if attn_fn is cpu_paged_attention else None
         for layer in self.layers:
             layer.fused_decode = fused
+        self.fused_decode_layers = None
+        self.decode_weights = None
+        whole = getattr(self.ops, "decode_layers", None) if fused is not None else None
+        if whole is not None and self._uniform_layers(dispatch_fn):
+            self.fused_decode_layers = whole
+            self.decode_weights = self._decode_weight_lists()
+
+    def _uniform_layers(self, dispatch_fn: Callable) -> bool:
+        """Whether one call can run every layer as the per-layer path would: all dense, or all MoE under the
+        ``fused`` dispatch without shared experts."""
+        moe = [layer.is_moe for layer in self.layers]
+        if not any(moe):
+            return True
+        return all(moe) and dispatch_fn is fused_dispatch and all(layer.mlp.shared_expert is None for layer in self.layers)
+
+    def _decode_weight_lists(self) -> dict:
+        layers, cfg = self.layers, self.cfg
+        attn0 = layers[0].self_attn
+        moe = layers[0].is_moe
+        return {
+            "in_norm": [layer.input_layernorm.weight for layer in layers],
+            "qkv_w": [layer.self_attn.qkv_proj for layer in layers],
+            "qkv_b": [layer.self_attn.qkv_bias for layer in layers] if attn0.qkv_bias is not None else [],
+            "q_norm": [layer.self_attn.q_norm.weight for layer in layers] if attn0.q_norm is not None else [],
+            "k_norm": [layer.self_attn.k_norm.weight for layer in layers] if attn0.k_norm is not None else [],
+            "o_w": [layer.self_attn.o_proj for layer in layers],
+            "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
+            "mlp_a": [layer.mlp.w13 if moe else layer.mlp.gate_up_proj for layer in layers],
+            "mlp_b": [layer.mlp.w2 if moe else layer.mlp.down_proj for layer in layers],
+            "router": [layer.mlp.gate for layer in layers] if moe else [],
+            "windows": [layer.self_attn.sliding_window or 0 for layer in layers],
+            "eps": cfg.rms_norm_eps,
+            "qk_eps": attn0.q_norm.eps if attn0.q_norm is not None else 0.0,
+            "scale": attn0.scale,
+            "num_heads": attn0.num_heads,
+            "num_kv_heads": attn0.num_kv_heads,
+            "head_dim": attn0.head_dim,
+            "moe_k": layers[0].mlp.top_k if moe else 0,
+            "moe_normalize": bool(layers[0].mlp.normalize) if moe else False,
+            "k_caches": None,
+            "v_caches": None,
+        }
 
     @torch.inference_mode()
     def forward(
@@ -83,6 +128,10 @@ class CausalLM(nn.Module):
         """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`)."""
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
+        if self.fused_decode_layers is not None and meta.decode_only:
+            out = self.fused_decode_layers(self, h, cos, sin, meta, kv_caches, plan)
+            if out is not None:
+                return out
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, meta, k_cache, v_cache, plan)
         return h

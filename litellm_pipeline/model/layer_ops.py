@@ -12,6 +12,8 @@ layer of the model. Its methods:
 * ``route(x, gate, native_k, normalize, plan)`` — a MoE router: ``(expert_idx, expert_w)``
 * optionally ``decode_attention(layer, h, cos, sin, meta, k_cache, v_cache)`` — a layer's whole attention half
   for a decode-only step, or None (then it runs op by op); used only with ``cpu_paged`` attention
+* optionally ``decode_layers(model, h, cos, sin, meta, kv_caches, plan)`` — all layers of a decode-only step in
+  one call, or None (then layer by layer)
 * optionally ``moe_experts(x, expert_idx, expert_w, w13, w2)`` — a whole MoE expert block, or None (then the
   ``fused`` MoE dispatch runs ``packed`` with these ops)
 
@@ -103,6 +105,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._decode_attention_block = ns.decode_attention_block.default
         self._residual_mlp = ns.residual_mlp.default
         self._moe_route = ns.moe_route.default
+        self._decode_layers = ns.decode_layers.default
 
     def _fits(self, x: torch.Tensor) -> bool:
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
@@ -178,3 +181,26 @@ class CpuFusedLayerOps(TorchLayerOps):
             k = native_k if plan is None or plan.max_k is None else plan.max_k
             return self._moe_route(x, gate, k, normalize, self.max_rows.get(x.dtype, 0))
         return super().route(x, gate, native_k, normalize, plan)
+
+    def decode_layers(self, model, h, cos, sin, meta, kv_caches, plan):
+        """Every layer of ``model`` for a decode-only step in one C++ call, or None (then layer by layer).
+
+        Bound by ``CausalLM.bind`` only where it computes what the per-layer path computes: ``cpu_paged``
+        attention, and dense MLPs or MoE blocks under the ``fused`` dispatch without shared experts; a step
+        whose requests carry per-token expert limits goes layer by layer.
+        """
+        if not (self._fits(h) and cos.dtype == h.dtype) or (plan is not None and (plan.top_k is not None or plan.allowed is not None)):
+            return None
+        w = model.decode_weights
+        if w["k_caches"] is None or w["k_caches"][0] is not kv_caches[0][0]:
+            w["k_caches"] = [k for k, _ in kv_caches]
+            w["v_caches"] = [v for _, v in kv_caches]
+        if not all(k.dtype == h.dtype and k.is_contiguous() for k in w["k_caches"]):
+            return None
+        moe_k = w["moe_k"] if plan is None or plan.max_k is None else plan.max_k
+        return self._decode_layers(
+            h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
+            meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens, w["o_w"],
+            w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"], w["scale"],
+            w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_k, w["moe_normalize"], self.max_rows.get(h.dtype, 0),
+        )

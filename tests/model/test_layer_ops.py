@@ -159,55 +159,57 @@ def test_fused_ops_are_bound_to_every_layer(hf_checkpoint):
     assert bound == {CpuFusedLayerOps}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_decode_block_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
-    """The one-call decode layer (attention half, dense MLP) gives bit-identical logprobs to the same ops one by
-    one: qkv bias (qwen2), q/k norm (qwen3), sliding window (mistral), MoE layers keep their MLP."""
+def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
+    """All layers in one call, each layer's attention half + dense MLP in one call, and the ops one by one give
+    bit-identical logprobs: qkv bias (qwen2), q/k norm (qwen3), sliding window (mistral), MoE (qwen3_moe), and a
+    shared expert (qwen2_moe: no whole-model call, per-layer blocks only)."""
     path = hf_checkpoint(arch)
     prompts = random_prompts((5, 13, 21), seed=12)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
-    runs = []
-    for fuse in (True, False):
+    runs = {}
+    for mode in ("model", "layer", "ops"):
         llm = LLM(model=str(path), dtype=dtype)
-        layers = llm.engine.rt.model.layers
-        assert all(layer.fused_decode is not None for layer in layers)
-        if not fuse:
-            for layer in layers:
+        model = llm.engine.rt.model
+        assert all(layer.fused_decode is not None for layer in model.layers)
+        assert (model.fused_decode_layers is None) == (arch == "qwen2_moe")
+        if mode != "model":
+            model.fused_decode_layers = None
+        if mode == "ops":
+            for layer in model.layers:
                 layer.fused_decode = None
         outs = llm.generate(prompts, params)
-        runs.append([(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs])
+        runs[mode] = [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
         assert llm.engine.rt.pool.is_empty()
-    assert runs[0] == runs[1]
+    assert runs["model"] == runs["layer"] == runs["ops"]
 
 
-def test_fused_decode_only_with_the_paged_kernel(hf_checkpoint):
+def test_whole_model_decode_falls_back_for_per_token_expert_limits(hf_checkpoint, fused, monkeypatch):
+    """Requests of different tiers in one step (per-token top-k) run layer by layer; each gets the tokens it gets
+    alone, and a step of one tier takes the one-call path."""
+    llm = LLM(model=str(hf_checkpoint("qwen3_moe")))
+    engine, model = llm.engine, llm.engine.rt.model
+    plans = []
+    real = model.fused_decode_layers
+    monkeypatch.setattr(model, "fused_decode_layers", lambda *a: plans.append(a[-1]) or real(*a))
+    prompts = random_prompts((6, 9), seed=13)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = [llm.generate([p], params, tier=t)[0].token_ids for p, t in zip(prompts, ("fast", "max"))]
+    assert plans and all(p is None or p.top_k is None for p in plans)
+    plans.clear()
+    reqs = [engine.add_request(p, params, tier=t) for p, t in zip(prompts, ("fast", "max"))]
+    while not all(r.finished for r in reqs):
+        engine.step()
+    assert [r.output_ids for r in reqs] == alone
+    assert any(p is not None and p.top_k is not None for p in plans)  # the mixed steps were offered, and declined
+    assert engine.rt.pool.is_empty()
+
+
+def test_fused_decode_only_with_the_paged_kernel_and_fused_dispatch(hf_checkpoint):
     llm = LLM(model=str(hf_checkpoint("llama")), overrides=["pipeline.stages.decode.params.attention=sdpa"])
     assert all(layer.fused_decode is None for layer in llm.engine.rt.model.layers)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_moe_route_and_experts_match_the_torch_path(fused, dtype):
-    from litellm_pipeline.model.batch import RoutePlan
-    from litellm_pipeline.model.moe import fused_dispatch, packed_dispatch
-
-    g = torch.Generator().manual_seed(5)
-    tokens, hidden, inter, experts = 7, 32, 24, 6
-    x = torch.randn(tokens, hidden, generator=g).to(dtype)
-    gate = torch.randn(experts, hidden, generator=g).to(dtype)
-    gate[1] = gate[3]  # equal router scores: the lower expert id must win, as with a stable sort
-    w13 = torch.randn(experts, 2 * inter, hidden, generator=g).to(dtype)
-    w2 = torch.randn(experts, hidden, inter, generator=g).to(dtype)
-    for k, normalize, plan in [(2, True, None), (3, False, None), (9, True, None), (2, True, RoutePlan(max_k=1))]:
-        idx, w = fused.route(x, gate, k, normalize, plan)
-        ref_idx, ref_w = REF.route(x, gate, k, normalize, plan)
-        assert torch.equal(idx, ref_idx)
-        torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
-        # the one-call expert block equals the op-by-op packed dispatch with the same ops, bit for bit
-        assert torch.equal(fused_dispatch(x, idx, w, w13, w2, fused), packed_dispatch(x, idx, w, w13, w2, fused))
-    # per-token limits go through the torch router
-    plan = RoutePlan(top_k=torch.tensor([1, 2] * 3 + [1]), max_k=2)
-    idx, _ = fused.route(x, gate, 2, True, plan)
-    assert (idx[::2, 1] == -1).all() and (idx[1::2, 1] >= 0).all()
-    with pytest.raises(RuntimeError, match="out of range"):
-        cpu_kernels.ops().moe_experts(x, torch.full((tokens, 2), experts), torch.ones(tokens, 2), w13, w2, 32)
+    assert llm.engine.rt.model.fused_decode_layers is None
+    moe = LLM(model=str(hf_checkpoint("mixtral")), overrides=["pipeline.stages.decode.params.moe_dispatch=packed"])
+    assert moe.engine.rt.model.fused_decode_layers is None  # packed experts: layer by layer
+    assert all(layer.fused_decode is not None for layer in moe.engine.rt.model.layers)

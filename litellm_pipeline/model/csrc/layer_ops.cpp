@@ -487,6 +487,42 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
   return h + linear_any(silu_mul(linear_any(x, gate_up_w, max_rows)), down_w, max_rows);
 }
 
+// Every decoder layer of a decode-only step in one call: per layer the attention block above, then the dense MLP
+// (router empty) or the MoE block (router, then the experts), exactly as the per-layer calls run them. What goes
+// is the return to Python between layers, during which the memory streams stand idle.
+at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b,
+                         at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos, const at::Tensor& sin,
+                         at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& rows, const at::Tensor& kv_slots, const at::Tensor& ctx_lens,
+                         at::TensorList o_w, at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
+                         at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k, bool moe_normalize,
+                         int64_t max_rows) {
+  const size_t n = in_norm.size();
+  for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
+                     mlp_b.size(), windows.size()})
+    TORCH_CHECK(len == n, "decode_layers: every per-layer list needs one entry per layer");
+  TORCH_CHECK(qkv_b.empty() || qkv_b.size() == n, "decode_layers: qkv_b is empty or per layer");
+  TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
+              "decode_layers: q_norm/k_norm are empty or per layer");
+  TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
+  at::Tensor h = h_in;
+  for (size_t i = 0; i < n; ++i) {
+    auto [s, x] = decode_attention_block(
+        h, in_norm[i], eps, qkv_w[i], qkv_b.empty() ? c10::optional<at::Tensor>() : qkv_b[i],
+        q_norm.empty() ? c10::optional<at::Tensor>() : q_norm[i], k_norm.empty() ? c10::optional<at::Tensor>() : k_norm[i],
+        qk_eps, cos, sin, k_caches[i], v_caches[i], slot_mapping, rows, kv_slots, ctx_lens, scale, windows[i], o_w[i],
+        post_norm[i], num_heads, num_kv_heads, head_dim, max_rows);
+    if (router.empty()) {
+      h = residual_mlp(s, x, mlp_a[i], mlp_b[i], max_rows);
+    } else {
+      auto [idx, w] = moe_route(x, router[i], moe_k, moe_normalize, max_rows);
+      h = s + moe_experts(x, idx, w, mlp_a[i], mlp_b[i], max_rows);
+    }
+  }
+  return h;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
@@ -502,6 +538,12 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
       "Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) -> (Tensor, Tensor)");
   m.def("moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows) -> (Tensor, Tensor)");
+  m.def(
+      "decode_layers(Tensor h, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] qkv_b, Tensor[] q_norm, Tensor[] k_norm, "
+      "Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor rows, "
+      "Tensor kv_slots, Tensor ctx_lens, Tensor[] o_w, Tensor[] post_norm, Tensor[] mlp_a, Tensor[] mlp_b, "
+      "Tensor[] router, int[] windows, float eps, float qk_eps, float scale, int num_heads, int num_kv_heads, "
+      "int head_dim, int moe_k, bool moe_normalize, int max_rows) -> Tensor");
   m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows) -> Tensor");
 }
@@ -516,4 +558,5 @@ TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("decode_attention_block", &decode_attention_block);
   m.impl("residual_mlp", &residual_mlp);
   m.impl("moe_route", &moe_route);
+  m.impl("decode_layers", &decode_layers);
 }
