@@ -19,17 +19,19 @@ from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool
-from litellm_pipeline.engine.request import TierSet
 from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes_per_block
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.loader import load_model, load_model_config
+from litellm_pipeline.telemetry import build_bus
+from litellm_pipeline.tiers import resolve_tiers
 from litellm_pipeline.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# what the engine provides before any stage runs, per level
+# what the engine provides before any stage runs, per level, and what it reads after the step stages
 REQUEST_SEED = ("request",)
-STEP_SEED = ("schedule",)
+STEP_SEED = ("schedule", "kv_layout")
+STEP_RESULT = "samples"
 
 
 def to_plain(cfg: DictConfig | Mapping[str, Any]) -> dict:
@@ -44,40 +46,6 @@ def resolve_device(kind: str) -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device.type: 'cuda' was asked for but no CUDA device is available (allowed: auto, cpu)")
     return torch.device(kind)
-
-
-def resolve_tiers(tiers: Mapping[str, TierSection], mc: ModelConfig) -> dict[str, TierSet]:
-    """Tiers in terms of this checkpoint; asking for more experts than it has is a config error."""
-    out = {}
-    for name, t in tiers.items():
-        if not mc.is_moe:
-            out[name] = TierSet(name, 0, t.cost)
-            continue
-        n, native, spec = mc.num_experts, mc.experts_per_token, t.experts_per_token
-        if spec == "native":
-            k = native
-        elif spec == "all":
-            k = n
-        elif isinstance(spec, str):  # "<m>x": a multiple of the native top-k, as far as the model goes
-            k = min(n, native * int(spec[:-1]))
-        else:
-            k = spec
-        if k > n:
-            raise ConfigError(
-                f"tiers.{name}.experts_per_token: {k} exceeds the model's {n} experts "
-                f"(allowed 1..{n}, 'native' = the checkpoint's top-{native}, '<m>x', or 'all')"
-            )
-        allowed = None
-        if t.allowed_experts is not None:
-            bad = [e for e in t.allowed_experts if not 0 <= e < n]
-            if bad or len(set(t.allowed_experts)) < k:
-                raise ConfigError(
-                    f"tiers.{name}.allowed_experts: must hold at least {k} distinct expert ids in 0..{n - 1} "
-                    f"(got {t.allowed_experts})"
-                )
-            allowed = tuple(sorted(set(t.allowed_experts)))
-        out[name] = TierSet(name, k, t.cost, allowed)
-    return out
 
 
 def resolve_max_model_len(mc: ModelConfig, asked: int | None) -> int:
@@ -133,8 +101,18 @@ def check_graph(stages: list[tuple[str, type]]) -> None:
                 f"(available at that point: {sorted(produced)})"
             )
         produced |= set(cls.outputs)
-    if "outputs" not in produced:
-        raise ConfigError("pipeline: no stage produces 'outputs' (the emit stage), so nothing would be returned")
+    if STEP_RESULT not in produced:
+        raise ConfigError(
+            f"pipeline: no stage produces {STEP_RESULT!r} (the sample stage), so the engine would have no tokens "
+            "to append"
+        )
+
+
+def _lookup(kind: str, name: str, key: str) -> Any:
+    try:
+        return registry.get(kind, name)
+    except registry.RegistryError as exc:
+        raise ConfigError(f"{key}: {exc}") from exc
 
 
 def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
@@ -144,11 +122,9 @@ def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
 
 def build_from_app(app: AppConfig) -> Engine:
     classes = stage_classes(app.pipeline)
-    try:
-        sched_cls = registry.get("scheduler", app.engine.scheduler)
-        registry.get("kv_policy", app.cache.kv_policy)
-    except registry.RegistryError as exc:
-        raise ConfigError(f"engine.scheduler / cache.kv_policy: {exc}") from exc
+    sched_cls = _lookup("scheduler", app.engine.scheduler, "engine.scheduler")
+    policy_cls = _lookup("kv_policy", app.cache.kv_policy, "cache.kv_policy")
+    sinks = [(name, _lookup("telemetry", name, f"telemetry.sinks[{i}]")) for i, name in enumerate(app.telemetry.sinks)]
     device = resolve_device(app.device.type)
     dtype = DTYPES[app.device.dtype]
     if app.device.threads:
@@ -175,7 +151,10 @@ def build_from_app(app: AppConfig) -> Engine:
         wanted = app.engine.max_num_seqs * math.ceil(max_len / bs)
         affordable = int(app.cache.memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
         num_blocks = max(1, min(wanted, affordable))
-    policy_cls = registry.get("kv_policy", app.cache.kv_policy)
+    try:
+        bus = build_bus([(name, app.telemetry.params.get(name, {})) for name, _ in sinks])
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"telemetry.params: {exc}") from exc
     pool = BlockPool(num_blocks, policy=policy_cls())
     hot_kv = allocate_kv_cache(mc, num_blocks, bs, dtype, device)
     warm_blocks = app.cache.warm_blocks
@@ -184,7 +163,7 @@ def build_from_app(app: AppConfig) -> Engine:
     warm = None
     if warm_blocks > 0:
         warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda")
-        warm = WarmPool(warm_blocks, warm_kv, bs, policy_cls())
+        warm = WarmPool(BlockPool(warm_blocks, policy=policy_cls()), warm_kv, bs)
     kv = KVCacheManager(
         pool,
         hot_kv,
@@ -193,8 +172,11 @@ def build_from_app(app: AppConfig) -> Engine:
         prefix_caching=app.cache.enable_prefix_caching,
         session_ttl_s=app.cache.session_ttl_s,
         max_sessions=app.cache.max_sessions,
+        bus=bus,
     )
-    scheduler = sched_cls(kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption)
+    scheduler = sched_cls(
+        kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus
+    )
     rt = Runtime(
         model=model,
         model_cfg=mc,
@@ -209,6 +191,7 @@ def build_from_app(app: AppConfig) -> Engine:
         device=device,
         eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids),
         seed=app.seed,
+        bus=bus,
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

@@ -91,6 +91,18 @@ class CacheSection(_Section):
     max_sessions: int = Field(default=64, ge=0)
 
 
+class TelemetrySection(_Section):
+    sinks: list[str] = ["none"]  # registry kind "telemetry"
+    params: dict[str, dict[str, Any]] = {}  # per sink name: its constructor parameters
+
+    @model_validator(mode="after")
+    def _params_name_sinks(self) -> "TelemetrySection":
+        extra = [k for k in self.params if k not in self.sinks]
+        if extra:
+            raise ValueError(f"params given for {extra}, which are not in sinks {self.sinks}")
+        return self
+
+
 class AppConfig(_Section):
     task: str | None = None
     prompt: str | None = None
@@ -103,6 +115,7 @@ class AppConfig(_Section):
     sampling: dict[str, Any] = {}
     engine: EngineSection = EngineSection()
     cache: CacheSection = CacheSection()
+    telemetry: TelemetrySection = TelemetrySection()
     # task-specific sections: validated by the task that reads them
     bench: dict[str, Any] | None = None
     train: dict[str, Any] | None = None

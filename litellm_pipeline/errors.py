@@ -3,15 +3,34 @@
 Validation happens at the edge (config build, request admission). A bad value must produce one
 line per problem that names the key path and the allowed range, e.g.
 ``temperature: must be >= 0 and <= 100 (got -1)``, instead of pydantic's multi-line report.
+
+Request errors form a small taxonomy that a server maps to HTTP status codes one to one
+(:attr:`RequestError.status_code`): :class:`InvalidRequestError` (400; names the offending field),
+:class:`NotFoundError` (404), :class:`RateLimitedError` (429, with ``retry_after_s``),
+:class:`OverloadedError` (503) and :class:`InternalError` (500, with an ``error_id`` to find it in the log).
+Every path that rejects a request raises one of them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import uuid
+
 import pydantic
 
-__all__ = ["ConfigError", "InvalidValueError", "format_validation_error", "range_message"]
+__all__ = [
+    "ConfigError",
+    "InvalidValueError",
+    "RequestError",
+    "InvalidRequestError",
+    "NotFoundError",
+    "RateLimitedError",
+    "OverloadedError",
+    "InternalError",
+    "format_validation_error",
+    "range_message",
+]
 
 # pydantic prefixes messages of errors raised inside validators with these; the text after is ours
 _VALIDATOR_PREFIXES = ("Value error, ", "Assertion failed, ")
@@ -47,6 +66,63 @@ class InvalidValueError(ValueError):
     def __init__(self, err: pydantic.ValidationError) -> None:
         super().__init__(format_validation_error(err))
         self.validation_error = err
+
+
+class RequestError(Exception):
+    """A request could not be served; ``status_code`` is the HTTP status a server answers with."""
+
+    status_code: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(RequestError, ValueError):
+    """The request itself is wrong (a bad field, a prompt the model cannot take): nothing of it was kept.
+
+    ``field`` names the request field at fault (``"prompt"``, ``"params.max_tokens"``, ``"tier"``...); the
+    message starts with it.
+    """
+
+    status_code = 400
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotFoundError(RequestError, LookupError):
+    """The thing the request names (a model, a request id, a session) does not exist."""
+
+    status_code = 404
+
+
+class RateLimitedError(RequestError):
+    """A quota would be exceeded; retry after ``retry_after_s`` seconds. ``quota`` names which one."""
+
+    status_code = 429
+
+    def __init__(self, message: str, retry_after_s: float, quota: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.quota = quota
+
+
+class OverloadedError(RequestError):
+    """The server cannot take the request now (queue full, draining); the request itself is fine."""
+
+    status_code = 503
+
+
+class InternalError(RequestError, RuntimeError):
+    """Something failed inside the runtime while serving the request; ``error_id`` identifies it in logs."""
+
+    status_code = 500
+
+    def __init__(self, message: str, error_id: str | None = None) -> None:
+        self.error_id = error_id or uuid.uuid4().hex[:12]
+        super().__init__(f"{message} (error id {self.error_id})")
 
 
 def range_message(lo: Any = None, hi: Any = None, *, lo_open: bool = False, hi_open: bool = False) -> str:

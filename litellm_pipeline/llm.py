@@ -10,10 +10,10 @@ from typing import Any, Iterator, Sequence
 from omegaconf import OmegaConf
 
 from litellm_pipeline.builder import build_engine
-from litellm_pipeline.engine.request import Request, RequestOutput
+from litellm_pipeline.engine.request import Request, RequestOutput, request_output
 from litellm_pipeline.hydra_config import compose
+from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.stages.emit import request_output
 
 # short keyword names for the config keys people set most
 ALIASES = {
@@ -28,8 +28,6 @@ ALIASES = {
     "tier": "pipeline.stages.select_tier.params.tier",
 }
 
-Prompt = str | Sequence[int]
-
 
 @dataclass
 class StreamDelta:
@@ -41,7 +39,7 @@ class StreamDelta:
 
 
 def _is_single(prompts: Any) -> bool:
-    return isinstance(prompts, str) or (
+    return isinstance(prompts, (str, RequestSpec)) or (
         isinstance(prompts, Sequence) and len(prompts) > 0 and all(isinstance(t, int) for t in prompts)
     )
 
@@ -70,23 +68,31 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: Prompt | RequestSpec | Sequence[Prompt | RequestSpec],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        *,
-        tier: str | None = None,
+        **fields: Any,
     ) -> list[RequestOutput]:
-        """Generate for every prompt together (one batch); outputs come back in prompt order."""
+        """Generate for every prompt together (one batch); outputs come back in prompt order.
+
+        A prompt is text, token ids or a whole :class:`RequestSpec`; ``params`` is one SamplingParams for all
+        or one per prompt; keyword ``fields`` (``tier``, ``budget``, ``tenant``, ``priority``,
+        ``session_id``, ...) are RequestSpec fields applied to every prompt. Any rejected prompt rejects the
+        call and leaves nothing behind.
+        """
         plist = [prompts] if _is_single(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            plist_params = [params or SamplingParams()] * len(plist)
+            plist_params = [params] * len(plist)
         else:
             plist_params = list(params)
             if len(plist_params) != len(plist):
                 raise ValueError(f"got {len(plist)} prompts but {len(plist_params)} SamplingParams")
+        if "request_id" in fields and len(plist) > 1:
+            raise ValueError("request_id: one id cannot name several prompts (give each a RequestSpec)")
+        specs = [to_spec(p, sp, **fields) for p, sp in zip(plist, plist_params)]
         reqs = []
         try:
-            for p, sp in zip(plist, plist_params):
-                reqs.append(self.engine.add_request(p, sp, tier=tier))
+            for spec in specs:
+                reqs.append(self.engine.add_request(spec))
                 self._watch(reqs[-1], final_only=True)
         except Exception:
             for r in reqs:  # all or nothing: what was already admitted gives its memory back
@@ -109,9 +115,13 @@ class LLM:
                 self._unwatch(r)
         return [final[r.request_id] for r in reqs]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, tier: str | None = None) -> Iterator[StreamDelta]:
-        """Yield text deltas as tokens are made; closing the iterator early aborts the request."""
-        req = self.engine.add_request(prompt, params or SamplingParams(), tier=tier)
+    def stream(
+        self, prompt: Prompt | RequestSpec, params: SamplingParams | None = None, **fields: Any
+    ) -> Iterator[StreamDelta]:
+        """Yield text deltas as tokens are made; closing the iterator early aborts the request.
+
+        ``prompt`` and keyword ``fields`` as in :meth:`generate` (one request)."""
+        req = self.engine.add_request(to_spec(prompt, params, **fields))
         self._watch(req)
         done = False
         try:

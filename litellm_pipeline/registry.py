@@ -34,6 +34,7 @@ KINDS: tuple[str, ...] = (
     "kv_policy",
     "budget_solver",
     "scheduler",
+    "telemetry",
 )
 PLUGIN_GROUP = "litellm_pipeline.plugins"
 
@@ -58,7 +59,8 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.model.layer_ops",
     "litellm_pipeline.model.moe",
     "litellm_pipeline.routing",
-    "litellm_pipeline.sampler",
+    "litellm_pipeline.sampling.samplers",
+    "litellm_pipeline.telemetry.bus",
     "litellm_pipeline.engine.scheduler",
     "litellm_pipeline.engine.kv_policy",
     "litellm_pipeline.stages",

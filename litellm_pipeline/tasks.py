@@ -8,8 +8,10 @@ from typing import Callable
 from omegaconf import DictConfig
 
 from litellm_pipeline.builder import build_engine
-from litellm_pipeline.demo_model import DEMO_PROMPTS
 from litellm_pipeline.errors import ConfigError
+
+# generate's prompts for a user checkpoint given without a prompt (the demo model has its own)
+DEFAULT_PROMPTS = ("The capital of France is", "def fibonacci(n):", "1 2 3 4 5")
 
 TASKS: dict[str, Callable[[DictConfig], object]] = {}
 
@@ -50,7 +52,7 @@ def generate(cfg: DictConfig) -> list:
     elif demo:
         prompts = [ex.prompt for ex in demo_prompts(cfg.model.demo_seed)]
     else:
-        prompts = list(DEMO_PROMPTS)
+        prompts = list(DEFAULT_PROMPTS)
     checks = [None if cfg.chat else solve(p) for p in prompts]
     if cfg.chat:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

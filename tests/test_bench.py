@@ -17,7 +17,7 @@ from litellm_pipeline.bench import roofline
 from litellm_pipeline.bench.models import param_counts, resolve_model
 from litellm_pipeline.bench.settings import bench_settings
 from litellm_pipeline.bench.workload import FIRST_BYTE_ID, LAST_BYTE_ID, make_workload, percentile
-from litellm_pipeline.demo_model import random_weights
+from litellm_pipeline.bench.checkpoints import random_weights
 from litellm_pipeline.errors import ConfigError
 
 TINY = [

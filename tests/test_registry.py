@@ -179,9 +179,9 @@ def test_remove(fresh_registry):
 
 
 def test_import_string_lookup(fresh_registry):
-    from litellm_pipeline.sampler import GreedySampler
+    from litellm_pipeline.sampling.samplers import GreedySampler
 
-    assert registry.get("sampler", "litellm_pipeline.sampler:GreedySampler") is GreedySampler
+    assert registry.get("sampler", "litellm_pipeline.sampling.samplers:GreedySampler") is GreedySampler
 
 
 def test_import_string_from_any_module(fresh_registry, tmp_path, monkeypatch):
@@ -191,7 +191,7 @@ def test_import_string_from_any_module(fresh_registry, tmp_path, monkeypatch):
     assert obj.__name__ == "MyStage" and obj.__module__ == "fake_attr_mod"
 
 
-@pytest.mark.parametrize("name", ["litellm_pipeline.sampler:NoSuchClass", "no_such_pkg_xyz.mod:Thing"])
+@pytest.mark.parametrize("name", ["litellm_pipeline.sampling.samplers:NoSuchClass", "no_such_pkg_xyz.mod:Thing"])
 def test_bad_import_string_is_a_registry_error(fresh_registry, name):
     with pytest.raises(RegistryError, match=name.split(":")[0]) as exc:
         registry.get("sampler", name)

@@ -10,7 +10,7 @@ import torch
 
 from litellm_pipeline import registry
 from litellm_pipeline.errors import format_validation_error
-from litellm_pipeline.sampler import GreedySampler, Sampler, SamplingRow, apply_penalties
+from litellm_pipeline.sampling.samplers import GreedySampler, Sampler, SamplingRow, apply_penalties
 from litellm_pipeline.sampling import SamplingParams
 
 V = 64

@@ -8,6 +8,7 @@ from typing import Callable, Sequence
 
 from litellm_pipeline.bench.workload import WorkItem, latency_summary, random_ids
 from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.telemetry import MemorySink, PrefixLookup
 
 _MAX_IDLE_STEPS = 1000  # steps that schedule nothing while requests are pending: the engine is stuck
 
@@ -62,10 +63,18 @@ def workload_metrics(reqs: Sequence, t0: float) -> dict:
 
 
 def run_workload(engine, items: Sequence[WorkItem], on_finish: Callable[[], None] | None = None) -> dict:
-    t0 = time.monotonic()
-    reqs = run_requests(engine, items, on_finish)
+    """The mixed workload, with the engine's events counted on the bus while it runs."""
+    sink = MemorySink()
+    engine.bus.subscribe(sink)
+    try:
+        t0 = time.monotonic()
+        reqs = run_requests(engine, items, on_finish)
+    finally:
+        engine.bus.unsubscribe(sink)
     metrics = workload_metrics(reqs, t0)
-    metrics["preemptions"] = getattr(engine.rt.scheduler, "num_preemptions", None)
+    metrics["preemptions"] = sink.counts["preempted"]
+    metrics["steps"] = sink.counts["step"]
+    metrics["prefix_hit_tokens"] = int(sink.total(PrefixLookup, "hit_tokens"))
     return metrics
 
 

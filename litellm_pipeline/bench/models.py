@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from litellm_pipeline.demo_model import cache_root, write_random_checkpoint
+from litellm_pipeline.bench.checkpoints import cache_root, write_random_checkpoint
 from litellm_pipeline.errors import ConfigError
 
 _COMMON = {

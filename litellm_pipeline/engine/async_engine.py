@@ -12,10 +12,12 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.errors import InternalError, InvalidRequestError
+from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineStepError"]
@@ -24,7 +26,7 @@ log = logging.getLogger(__name__)
 _ids = itertools.count()
 
 
-class EngineStepError(RuntimeError):
+class EngineStepError(InternalError):
     """An engine step failed while this request was in flight; ``__cause__`` is the original exception."""
 
 
@@ -83,34 +85,31 @@ class AsyncEngine:
         await asyncio.to_thread(self.shutdown)
 
     async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        tier: str | None = None,
-        salt: str = "",
-        priority: int = 0,
+        self, prompt: Prompt | RequestSpec, params: SamplingParams | Mapping | None = None, **fields: Any
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its deltas as the engine makes them, ending after the one with
-        ``finished=True``.
+        """Submit a :class:`RequestSpec` (or a prompt plus its fields) and yield its deltas as the engine
+        makes them, ending after the one with ``finished=True``.
 
-        A rejected request raises its ``ValueError`` at the first iteration, before anything is queued.
+        A rejected request raises its :class:`InvalidRequestError` at the first iteration, before anything
+        is queued.
         Closing the iterator or cancelling the consuming task aborts the request and frees its KV at once.
         A failed engine step raises :class:`EngineStepError`.
         """
         if not self.running:
             raise RuntimeError("AsyncEngine is not running: call start() or use 'async with'")
-        rid = request_id if request_id is not None else f"async-{next(_ids)}"
+        spec = to_spec(prompt, params, **fields)
+        if spec.request_id is None:
+            spec = spec.replace(request_id=f"async-{next(_ids)}")
+        rid = spec.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         # register before submitting: the loop thread may produce this request's first delta at once
         with self._lock:
             if rid in self._streams:
-                raise ValueError(f"request id {rid!r} is already in use")
+                raise InvalidRequestError("request_id", f"{rid!r} is already in use")
             self._streams[rid] = stream
         submitted = done = False
         try:
-            self.engine.add_request(prompt, params, request_id=rid, tier=tier, salt=salt, priority=priority)
+            self.engine.add_request(spec)
             submitted = True
             with self._wake:
                 self._wake.notify()
@@ -149,8 +148,10 @@ class AsyncEngine:
             try:
                 outs = self.engine.step()  # looked up each time: tests (and wrappers) may replace it
             except Exception as exc:  # an engine error must not kill the server: fail this step's requests
-                log.exception("engine step failed; failing %d request(s) in flight", len(in_flight))
-                self._fail(in_flight, lambda rid: self._step_error(rid, exc))
+                error_id = InternalError("engine step failed").error_id
+                log.exception("engine step failed (error id %s); failing %d request(s) in flight", error_id,
+                              len(in_flight))
+                self._fail(in_flight, lambda rid: self._step_error(rid, exc, error_id))
                 continue
             self._deliver(outs)
             if not outs:
@@ -172,8 +173,8 @@ class AsyncEngine:
                 self.engine.abort(out.request_id)
 
     @staticmethod
-    def _step_error(rid: str, exc: Exception) -> EngineStepError:
-        err = EngineStepError(f"request {rid!r} failed: engine step raised {type(exc).__name__}: {exc}")
+    def _step_error(rid: str, exc: Exception, error_id: str) -> EngineStepError:
+        err = EngineStepError(f"request {rid!r} failed: engine step raised {type(exc).__name__}: {exc}", error_id)
         err.__cause__ = exc
         return err
 

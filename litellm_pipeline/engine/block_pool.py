@@ -3,7 +3,10 @@
 A block is *in use* while its count is above 0. A full block may carry a content hash; when its count
 drops to 0 it stays cached (findable by hash) and becomes evictable under the pool's ``kv_policy``. A block
 without a hash goes straight back to the free list. Allocation takes never-cached blocks first, then
-evicts; ``on_evict`` lets a warm tier keep an evicted block's content.
+evicts; ``on_evict`` lets a warm tier keep an evicted block's content (and telemetry count it).
+
+The same structure serves the warm tier in host memory (``WarmPool``): cached slots there are evictable
+under its own policy, and slots holding a swapped-out request are simply in use.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ class BlockPool:
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
         self._free: deque[int] = deque(range(num_blocks))
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -61,10 +63,8 @@ class BlockPool:
         h = self.block_hash[b]
         if h is None:
             return
-        if evicted:
-            self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(b, h)
+        if evicted and self.on_evict is not None:
+            self.on_evict(b, h)
         self.policy.forget(b)
         self.block_hash[b] = None
         if self.cached.get(h) == b:
@@ -98,6 +98,17 @@ class BlockPool:
             return  # already cached (same content elsewhere): keep the first copy
         self.block_hash[b] = h
         self.cached[h] = b
+
+    def discard(self, b: int) -> None:
+        """Forget the content of a cached block that no request references; it becomes free at once."""
+        if self.ref_counts[b] != 0:
+            raise RuntimeError(f"KV block {b} is in use ({self.ref_counts[b]} references): cannot discard it")
+        if self.block_hash[b] is None:
+            return  # not cached: already on the free list
+        if b in self.policy:
+            self.policy.remove(b)
+        self._uncache(b, evicted=False)
+        self._free.append(b)
 
     def reset_cache(self) -> None:
         """Forget every cached prefix (blocks in use keep their content but are no longer findable)."""

@@ -1,18 +1,40 @@
-"""Engine: runs the built stage graph. Requests go through the request-level stages when submitted; each
-``step()`` schedules the batch and runs the step-level stages over it."""
+"""Engine: runs the built stage graph and owns every request's bookkeeping.
+
+Request path (``add_request``): the request-level stages (admit, select_tier, ...) run on a request that
+does not exist in the engine yet; they decide and may reject. Only when all of them pass does the engine
+name the request, give it its generator and detokenizer and queue it — so a rejection leaves nothing.
+
+Step path (``step``): the scheduler decides ``{request: tokens}``; the KV manager lays out where those
+tokens' K/V live; the step-level stages transform the step context (route → prefill → decode → sample →
+emit); then :meth:`Engine._postprocess` does the bookkeeping no stage may skip: computed tokens, KV
+commits, appended tokens, finishing and freeing.
+"""
 
 from __future__ import annotations
 
+import itertools
 import threading
-from typing import Sequence
+import time
+from typing import Any, Mapping, Sequence
 
 import torch
 
-from litellm_pipeline.engine.request import Request, RequestOutput, RequestStatus
+from litellm_pipeline.engine.request import Request, RequestOutput, RequestStatus, request_output
 from litellm_pipeline.engine.runtime import Runtime
+from litellm_pipeline.errors import InvalidRequestError
+from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.stages.base import RequestContext, Stage, StepContext
-from litellm_pipeline.stages.emit import request_output
+from litellm_pipeline.telemetry import (
+    FirstToken,
+    RequestAborted,
+    RequestAdmitted,
+    RequestArrived,
+    RequestFinished,
+    RequestRejected,
+    StepFinished,
+)
+from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
 
 class Engine:
@@ -23,59 +45,140 @@ class Engine:
         self.request_stages = list(request_stages)
         self.step_stages = list(step_stages)
         self.requests: dict[str, Request] = {}
+        self.bus = rt.bus
         self._lock = threading.RLock()
+        self._ids = itertools.count()
+        self._rng = torch.Generator().manual_seed(rt.seed)  # seeds of unseeded sampling requests
 
     @property
     def tokenizer(self):
         return self.rt.tokenizer
 
+    # ---- request path -------------------------------------------------------------------------------
     def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        tier: str | None = None,
-        salt: str = "",
-        priority: int = 0,
-        session_id: str | None = None,
+        self, prompt: Prompt | RequestSpec, params: SamplingParams | Mapping | None = None, **fields: Any
     ) -> Request:
-        """Run the request-level stages; a request that fails any of them leaves nothing behind."""
-        params = params or SamplingParams()
-        ids = self.rt.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        req = Request(prompt_ids=ids, params=params, tier=tier, salt=salt, priority=priority, session_id=session_id)
-        if request_id is not None:
-            req.request_id = request_id
+        """Submit a :class:`RequestSpec` (or a prompt plus its fields, see :func:`to_spec`).
+
+        Raises :class:`InvalidRequestError` naming the field if any request-level stage rejects it; then
+        nothing of it remains (no queue entry, blocks, generator or id)."""
+        spec = to_spec(prompt, params, **fields)
+        ids = self.rt.tokenizer.encode(spec.prompt) if isinstance(spec.prompt, str) else list(spec.prompt)
+        req = Request(spec, ids, request_id=spec.request_id)
+        bus = self.bus
         with self._lock:
-            if req.request_id in self.requests:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
-            ctx = RequestContext(req)
+            if bus.enabled:
+                bus.publish(RequestArrived(spec.request_id, spec.tenant, len(ids)))
             try:
+                if spec.request_id is not None and spec.request_id in self.requests:
+                    raise InvalidRequestError("request_id", f"{spec.request_id!r} is already in use")
+                ctx = RequestContext(req)
                 for stage in self.request_stages:
                     stage(ctx)
-            except Exception:
-                self.rt.scheduler.finish(req) if req in self.rt.scheduler.waiting else None
+            except Exception as exc:
+                if bus.enabled:
+                    bus.publish(RequestRejected(spec.request_id, spec.tenant, type(exc).__name__, str(exc)))
                 raise
-            self.requests[req.request_id] = req
+            self._admit(req)
         return req
 
+    def _admit(self, req: Request) -> None:
+        """Every request stage passed: name the request, give it what it needs to run, queue it."""
+        if req.request_id is None:
+            req.request_id = f"req-{next(self._ids)}"
+        p = req.params
+        if p.temperature > 0:
+            # unseeded requests draw from the engine's own generator: a run is reproducible from cfg.seed
+            seed = p.seed if p.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            req.generator = torch.Generator(device="cpu").manual_seed(seed)
+        req.detokenizer = IncrementalDetokenizer(self.rt.tokenizer, req.prompt_ids, p.skip_special_tokens)
+        if p.logprobs is not None:
+            req.logprobs = []
+        self.requests[req.request_id] = req
+        self.rt.scheduler.add(req)
+        if self.bus.enabled:
+            tier = req.tierset.name if req.tierset else None
+            self.bus.publish(RequestAdmitted(req.request_id, req.tenant, tier, len(req.prompt_ids)))
+
+    # ---- step path ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One engine step over every running request; returns the deltas it produced."""
         with self._lock, torch.inference_mode():
+            t0 = time.perf_counter() if self.bus.enabled else 0.0
             schedule = self.rt.scheduler.schedule()
             if not schedule:
                 return []
             schedule.sort(key=lambda e: e[1] == 1)  # row order: prompt chunks first, then decodes
-            ctx = StepContext(schedule)
+            ctx = StepContext(schedule, self.rt.kv.step_layout(schedule))
             for stage in self.step_stages:
                 stage(ctx)
-            for out in ctx.outputs:
-                if out.finished:
-                    self.requests.pop(out.request_id, None)
-            return ctx.outputs
+            outputs = self._postprocess(ctx)
+            if self.bus.enabled:
+                self._publish_step(schedule, t0)
+            return outputs
 
+    def _postprocess(self, ctx: StepContext) -> list[RequestOutput]:
+        """The bookkeeping of a step, whatever its stages did: computed tokens and KV commits for every
+        scheduled entry; for every sample, the token appended, the finish decided (the emit stage's, or
+        the token limits, which always hold), finished requests freed."""
+        rt = self.rt
+        for req, n in ctx.schedule:
+            req.num_computed += n
+            rt.kv.commit(req)  # newly full blocks become replayable prefixes
+        emitted = {id(e.request): e for e in getattr(ctx, "emissions", ())}
+        now = time.monotonic()
+        outputs = []
+        for req, token, logprobs in ctx.samples:
+            if req.finished:
+                continue  # a stage listed the same request twice: the first sample counted
+            e = emitted.get(id(req))
+            reason = (e.finish_reason if e is not None else None) or req.stop_reason(
+                token, rt.eos_token_ids, rt.max_model_len
+            )
+            req.output_ids.append(token)
+            if req.logprobs is not None:
+                req.logprobs.append(logprobs)
+            if req.first_token_time is None:
+                req.first_token_time = now
+                if self.bus.enabled:
+                    self.bus.publish(FirstToken(req.request_id, now - req.arrival))
+            if reason is not None:
+                self._finish(req, reason, now)
+            outputs.append(request_output(req, e.delta_text if e is not None else "", [token]))
+        return outputs
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        req.finish_reason = reason
+        req.status = RequestStatus.FINISHED
+        req.finish_time = now
+        self.rt.scheduler.finish(req)
+        self.requests.pop(req.request_id, None)
+        if self.bus.enabled:
+            self.bus.publish(
+                RequestFinished(
+                    req.request_id, req.tenant, reason, len(req.prompt_ids), len(req.output_ids),
+                    req.num_cached_tokens, req.tierset.name if req.tierset else None, now - req.arrival,
+                )
+            )
+
+    def _publish_step(self, schedule: list[tuple[Request, int]], t0: float) -> None:
+        prefill = decode = 0
+        for req, n in schedule:
+            # tokens at positions before the prompt's end are prompt tokens, the rest generated ones
+            prompt_part = max(0, min(n, len(req.prompt_ids) - (req.num_computed - n)))
+            prefill += prompt_part
+            decode += n - prompt_part
+        sched = self.rt.scheduler
+        self.bus.publish(
+            StepFinished(
+                len(schedule), prefill, decode, time.perf_counter() - t0,
+                len(sched.running), len(sched.waiting), self.rt.pool.num_free,
+            )
+        )
+
+    # ---- control ------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request and free all its KV blocks at once."""
+        """Cancel a request and free all its KV blocks at once; None if it is not in flight."""
         with self._lock:
             req = self.requests.pop(request_id, None)
             if req is None:
@@ -83,6 +186,8 @@ class Engine:
             req.finish_reason = "abort"
             self.rt.scheduler.finish(req)
             req.status = RequestStatus.FINISHED
+            if self.bus.enabled:
+                self.bus.publish(RequestAborted(req.request_id, req.tenant, len(req.output_ids)))
             return request_output(req)
 
     def end_session(self, session_id: str) -> bool:

@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.request import Request
+from litellm_pipeline.telemetry import BlocksDemoted, BlocksEvicted, BlocksPromoted, EventBus, PrefixLookup
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
@@ -50,82 +52,71 @@ def copy_blocks(src: list, src_ids: list[int], dst: list, dst_ids: list[int], bl
 
 
 class WarmPool:
-    """Host-memory blocks: cached prefixes demoted from the hot pool, and swapped-out requests."""
+    """Host-memory blocks, kept in a :class:`BlockPool` of their own: cached prefixes demoted from the hot
+    pool (evictable under the warm pool's policy) and swapped-out requests (in use until swapped back in)."""
 
-    def __init__(self, num_blocks: int, kv: list, block_size: int, policy):
-        self.num_blocks = num_blocks
+    def __init__(self, pool: BlockPool, kv: list, block_size: int):
+        self.pool = pool
         self.kv = kv
         self.block_size = block_size
-        self.policy = policy  # evictable = cached slots
-        self.cached: dict[bytes, int] = {}
-        self.slot_hash: list[bytes | None] = [None] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self.held = 0  # slots holding swapped-out requests
 
-    def _take_slots(self, n: int) -> list[int] | None:
-        if n > len(self._free) + len(self.policy):
-            return None
-        out = []
-        for _ in range(n):
-            if self._free:
-                out.append(self._free.popleft())
-                continue
-            s = self.policy.pop()
-            h = self.slot_hash[s]
-            self.slot_hash[s] = None
-            self.policy.forget(s)
-            if h is not None and self.cached.get(h) == s:
-                del self.cached[h]
-            out.append(s)
-        return out
-
-    def _release(self, slot: int) -> None:
-        h = self.slot_hash[slot]
-        if h is not None:
-            self.slot_hash[slot] = None
-            self.cached.pop(h, None)
-            self.policy.remove(slot)
-            self.policy.forget(slot)
-        self._free.append(slot)
+    @property
+    def num_held(self) -> int:
+        """Slots in use (holding swapped-out requests)."""
+        return sum(1 for c in self.pool.ref_counts if c)
 
     def has(self, h: bytes) -> bool:
-        return h in self.cached
+        return self.pool.lookup(h) is not None
 
-    def store(self, h: bytes, hot_kv: list, hot_block: int) -> None:
-        """Keep a copy of an evicted hot block (dropping the warm pool's own victim if full)."""
-        if h in self.cached:
-            return
-        slots = self._take_slots(1)
-        if slots is None:
-            return
-        copy_blocks(hot_kv, [hot_block], self.kv, slots, self.block_size)
-        self.slot_hash[slots[0]] = h
-        self.cached[h] = slots[0]
-        self.policy.add(slots[0])
+    def store(self, h: bytes, hot_kv: list, hot_block: int) -> bool:
+        """Keep a copy of an evicted hot block (evicting the warm pool's own victim if full)."""
+        if self.pool.lookup(h) is not None or not self.pool.can_allocate(1):
+            return False
+        (slot,) = self.pool.allocate(1)
+        copy_blocks(hot_kv, [hot_block], self.kv, [slot], self.block_size)
+        self.pool.register(slot, h)
+        self.pool.free([slot])  # unreferenced and hashed: cached, evictable
+        return True
 
     def promote(self, h: bytes, hot_kv: list, hot_block: int) -> None:
-        """Copy a cached warm block into a hot block; the warm copy is released (the hot one now caches it)."""
-        slot = self.cached[h]
-        self.policy.hit(slot)
+        """Copy a cached warm block into a hot block; the warm copy is dropped (the hot one now caches it)."""
+        slot = self.pool.lookup(h)
+        self.pool.policy.hit(slot)
         copy_blocks(self.kv, [slot], hot_kv, [hot_block], self.block_size)
-        self._release(slot)
+        self.pool.discard(slot)
 
     def swap_out(self, hot_kv: list, blocks: list[int]) -> list[int] | None:
-        slots = self._take_slots(len(blocks))
-        if slots is None:
+        if not self.pool.can_allocate(len(blocks)):
             return None
+        slots = self.pool.allocate(len(blocks))
         copy_blocks(hot_kv, blocks, self.kv, slots, self.block_size)
-        self.held += len(slots)
         return slots
 
     def swap_in(self, hot_kv: list, slots: list[int], blocks: list[int]) -> None:
         copy_blocks(self.kv, slots, hot_kv, blocks, self.block_size)
-        self.drop(slots)
+        self.pool.free(slots)
 
     def drop(self, slots: list[int]) -> None:
-        for s in slots:
-            self._free.append(s)
-        self.held -= len(slots)
+        self.pool.free(slots)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Where one step's tokens write their K/V and where each sequence reads its context: flat slot ids
+    (``block * block_size + offset``) into every layer's cache, in the step's row order (entries with
+    several new tokens first, then the single-token ones).
+
+    * ``chunk_slots[i]`` — ``[ctx_len]``: every context position of the i-th multi-token entry (its new
+      tokens write the last ``n`` of them).
+    * ``decode_slots`` — ``[B, Lmax]``: the context of each single-token entry, padded (pad slots are
+      arbitrary; ``decode_ctx_lens`` says how many are real). Its new token writes
+      ``decode_slots[b, decode_ctx_lens[b] - 1]`` (``decode_new_slots``).
+    """
+
+    chunk_slots: tuple[torch.Tensor, ...]
+    decode_slots: torch.Tensor | None = None
+    decode_ctx_lens: torch.Tensor | None = None
+    decode_new_slots: torch.Tensor | None = None
 
 
 class KVCacheManager:
@@ -138,15 +129,49 @@ class KVCacheManager:
         prefix_caching: bool = True,
         session_ttl_s: float = 600.0,
         max_sessions: int = 64,
+        bus: EventBus | None = None,
     ):
         self.hot, self.hot_kv, self.block_size, self.warm = hot, hot_kv, block_size, warm
         self.prefix_caching = prefix_caching
-        if warm is not None:
-            hot.on_evict = lambda b, h: warm.store(h, hot_kv, b)
+        self.bus = bus if bus is not None else EventBus()
+        hot.on_evict = self._on_evict
         self.session_ttl_s, self.max_sessions = session_ttl_s, max_sessions
         self.sessions: OrderedDict[str, tuple[list[int], float]] = OrderedDict()
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
+
+    def _on_evict(self, block: int, h: bytes) -> None:
+        demoted = self.warm is not None and self.warm.store(h, self.hot_kv, block)
+        if self.bus.enabled:
+            self.bus.publish(BlocksEvicted(1))
+            if demoted:
+                self.bus.publish(BlocksDemoted(1))
+
+    # ---- where a step's tokens live
+    def step_layout(self, schedule: Sequence[tuple[Request, int]]) -> KVLayout:
+        """The KV slots of a scheduled step (see :class:`KVLayout`); blocks were grown by the scheduler."""
+        bs = self.block_size
+        chunks = []
+        i = 0
+        for req, n in schedule:
+            if n == 1:
+                break
+            end = req.num_computed + n
+            pos = torch.arange(end)
+            chunks.append(torch.tensor(req.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            i += 1
+        decodes = schedule[i:]
+        if not decodes:
+            return KVLayout(tuple(chunks))
+        b = len(decodes)
+        ctx_lens = [r.num_computed + 1 for r, _ in decodes]
+        lmax = max(ctx_lens)
+        nblk = -(-lmax // bs)
+        table = torch.zeros(b, nblk, dtype=torch.long)
+        for j, (r, _) in enumerate(decodes):
+            table[j, : min(len(r.block_ids), nblk)] = torch.tensor(r.block_ids[:nblk])
+        lens_t = torch.tensor(ctx_lens)
+        lpos = torch.arange(lmax)
+        slots = table[:, lpos // bs] * bs + lpos % bs
+        return KVLayout(tuple(chunks), slots, lens_t, slots[torch.arange(b), lens_t - 1])
 
     # ---- prefixes
     def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:
@@ -167,6 +192,7 @@ class KVCacheManager:
         known = req.num_tokens
         hashes = self.block_hashes(req, ((known - 1) // self.block_size) * self.block_size)
         got: list[int] = []
+        promoted = 0
         for h in hashes:
             b = self.hot.lookup(h)
             if b is not None:
@@ -175,6 +201,7 @@ class KVCacheManager:
                 b = self.hot.allocate(1)[0]
                 self.warm.promote(h, self.hot_kv, b)
                 self.hot.register(b, h)
+                promoted += 1
             else:
                 break
             got.append(b)
@@ -182,9 +209,13 @@ class KVCacheManager:
         req.num_registered = len(got)
         covered = len(got) * self.block_size
         if req.num_computed == 0 and not req.output_ids:
-            self.prefix_query_tokens += len(req.prompt_ids)
-            self.prefix_hit_tokens += covered
             req.num_cached_tokens = covered
+        if self.bus.enabled:
+            if promoted:
+                self.bus.publish(BlocksPromoted(promoted))
+            if not req.prefix_reported:  # a request may look up again after waiting for room: count it once
+                req.prefix_reported = True
+                self.bus.publish(PrefixLookup(req.request_id, covered, len(req.prompt_ids) - covered))
         return covered
 
     def commit(self, req: Request) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.tiers import BudgetSpec, TierSet
 
-_ids = itertools.count()
+if TYPE_CHECKING:
+    from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(str, Enum):
@@ -20,30 +23,29 @@ class RequestStatus(str, Enum):
     FINISHED = "finished"
 
 
-@dataclass(frozen=True)
-class TierSet:
-    """The compute a request may spend in MoE layers: how many experts per token, and which experts."""
-
-    name: str
-    experts_per_token: int
-    cost: float = 1.0
-    allowed_experts: tuple[int, ...] | None = None
-
-
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """Engine-side state of one request. Built from a :class:`RequestSpec` (its fields are copied as plain
+    attributes: they are read on every step). Identity, not value, is equality."""
+
+    spec: RequestSpec
     prompt_ids: list[int]
-    params: SamplingParams
-    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
-    tier: str | None = None  # requested tier name (None: the select_tier stage decides)
-    salt: str = ""  # isolates cached KV between tenants
-    priority: int = 0  # lower value = served first (priority scheduler)
-    session_id: str | None = None  # keep this conversation's KV pinned after the request ends
+    request_id: str | None = None  # the engine names a request only once it is admitted
     arrival: float = field(default_factory=time.monotonic)
-    # filled by the pipeline
+    # from the spec
+    params: SamplingParams = field(init=False)
+    tier: str | None = field(init=False)  # requested tier name (None: the select_tier stage decides)
+    budget: BudgetSpec | None = field(init=False)
+    tenant: str = field(init=False)
+    salt: str = field(init=False)  # isolates cached KV between tenants
+    priority: int = field(init=False)  # lower value = served first (priority scheduler)
+    session_id: str | None = field(init=False)  # keep this conversation's KV pinned after the request ends
+    # decided by the request-level stages
     tierset: TierSet | None = None
+    # set by the engine on admission
     generator: torch.Generator | None = None
-    detokenizer: object | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    # engine bookkeeping (the engine's postprocess and the scheduler own these)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -52,14 +54,21 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
     num_registered: int = 0  # leading blocks already findable in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    prefix_reported: bool = False  # its prefix lookup was published (telemetry)
     swapped_slots: list[int] | None = None  # warm-pool slots while preempted by swap
     num_preemptions: int = 0
-    text: str = ""
-    emitted_chars: int = 0
-    emitted_tokens: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    # output text (the emit stage owns these)
+    text: str = ""
+    emitted_chars: int = 0
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        self.params, self.tier, self.budget = s.params, s.tier, s.budget
+        self.tenant = self.salt = s.tenant
+        self.priority, self.session_id = s.priority, s.session_id
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +87,35 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def stop_reason(self, token: int, eos_token_ids: frozenset, max_model_len: int) -> str | None:
+        """Why appending ``token`` (not yet appended) ends the request by token rules, or None.
+
+        ``"stop"``: a stop token id, or an end-of-sequence token unless ``ignore_eos``; ``"length"``: it is
+        the ``max_tokens``-th output token or fills the model's context. Stop *strings* are the emit stage's.
+        """
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
+            return "stop"
+        if len(self.output_ids) + 1 >= p.max_tokens or self.num_tokens + 1 >= max_model_len:
+            return "length"
+        return None
+
+
+class Sample(NamedTuple):
+    """One sampled token (the sample stage's output, per request that reached the end of its tokens)."""
+
+    request: Request
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+class Emission(NamedTuple):
+    """What the emit stage makes of one sample: the text to stream now, and a finish it asks for."""
+
+    request: Request
+    delta_text: str
+    finish_reason: str | None  # "stop" / "length" / None; the engine enforces token limits regardless
+
 
 @dataclass
 class RequestOutput:
@@ -95,3 +133,19 @@ class RequestOutput:
     tier: str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+
+
+def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt_token_ids=req.prompt_ids,
+        text=req.text[: req.emitted_chars] if not req.finished else req.text,
+        token_ids=list(req.output_ids),
+        delta_text=delta_text,
+        delta_token_ids=delta_ids or [],
+        finished=req.finished,
+        finish_reason=req.finish_reason,
+        logprobs=req.logprobs,
+        tier=req.tierset.name if req.tierset else None,
+        num_cached_tokens=req.num_cached_tokens,
+    )

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import torch
 
 from litellm_pipeline.engine.block_pool import BlockPool
-from litellm_pipeline.engine.request import TierSet
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.decoder import CausalLM
+from litellm_pipeline.telemetry import EventBus
+from litellm_pipeline.tiers import TierSet
 from litellm_pipeline.tokenizer import Tokenizer
 
 
@@ -28,6 +29,7 @@ class Runtime:
     device: torch.device
     eos_token_ids: frozenset = field(default_factory=frozenset)
     seed: int = 0
+    bus: EventBus = field(default_factory=EventBus)
 
 
 def allocate_kv_cache(

@@ -13,12 +13,14 @@ tokens recomputed later, partly from the prefix cache). Either way it resumes wi
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from typing import Literal
 
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request, RequestStatus
 from litellm_pipeline.registry import register
+from litellm_pipeline.telemetry import EventBus, RequestPreempted, RequestScheduled
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -35,8 +37,10 @@ class FcfsScheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption: Literal["recompute", "swap"] = "recompute",
+        bus: EventBus | None = None,
     ):
         self.kv = kv
+        self.bus = bus if bus is not None else EventBus()
         self.pool = kv.hot
         self.block_size = kv.block_size
         self.max_num_seqs = max_num_seqs
@@ -44,8 +48,6 @@ class FcfsScheduler:
         self.preemption = preemption
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
-        self.num_swaps = 0
 
     # ---- ordering policy (subclasses change these two)
     def add(self, req: Request) -> None:
@@ -70,13 +72,14 @@ class FcfsScheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.num_preemptions += 1
         self.kv.commit(req)
-        if self.preemption == "swap" and self.kv.swap_out(req):
-            self.num_swaps += 1
-        else:
+        mode = "swap"
+        if not (self.preemption == "swap" and self.kv.swap_out(req)):
+            mode = "recompute"
             self.kv.free(req)
             req.num_computed = 0
+        if self.bus.enabled:
+            self.bus.publish(RequestPreempted(req.request_id, mode))
         self.requeue(req)
 
     def _start(self, req: Request) -> bool:
@@ -120,6 +123,8 @@ class FcfsScheduler:
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self._add_running(req)
+            if self.bus.enabled:
+                self.bus.publish(RequestScheduled(req.request_id, time.monotonic() - req.arrival))
             plan.append((req, n))
             budget -= n
         return plan

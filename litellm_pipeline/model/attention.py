@@ -13,7 +13,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
 from litellm_pipeline.registry import register
 
 
@@ -59,6 +59,36 @@ def _prefill_mask(q_len: int, ctx_len: int, window: int | None, dtype, device) -
     return torch.zeros(ok.shape, dtype=dtype, device=device).masked_fill_(~ok, float("-inf"))
 
 
+def sdpa_prefill_chunk(
+    s: SeqAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """One prefill chunk of sequence ``s`` through torch SDPA into ``out`` (its rows of the step's queries).
+
+    The chunk's K/V must already be in the cache. A whole fresh prompt attends over its own new K/V directly;
+    a chunk that continues a cached prefix gathers the sequence's context from the cache.
+    """
+    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+    if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
+        ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+        vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+    else:
+        ks = gather_slots(k_cache, s.kv_slots, "k").transpose(0, 1)
+        vs = gather_slots(v_cache, s.kv_slots, "v").transpose(0, 1)
+    mask = _prefill_mask(s.q_len, s.ctx_len, window, q.dtype, q.device)
+    o = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+
+
 @register("attention", "sdpa")
 def sdpa_paged_attention(
     q: torch.Tensor,
@@ -76,18 +106,7 @@ def sdpa_paged_attention(
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for s in meta.prefills:
-        qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-        if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
-            ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-            vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-        else:
-            ks = gather_slots(k_cache, s.kv_slots, "k").transpose(0, 1)
-            vs = gather_slots(v_cache, s.kv_slots, "v").transpose(0, 1)
-        mask = _prefill_mask(s.q_len, s.ctx_len, sliding_window, q.dtype, q.device)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
-        )
-        out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+        sdpa_prefill_chunk(s, q, k, v, k_cache, v_cache, scale, sliding_window, out)
     if meta.decode_rows is not None:
         rows = meta.decode_rows
         qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]

@@ -18,11 +18,10 @@ import warnings
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from litellm_pipeline.model import cpu_kernels
-from litellm_pipeline.model.attention import _prefill_mask, gather_slots, sdpa_paged_attention
-from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
+from litellm_pipeline.model.attention import sdpa_paged_attention, sdpa_prefill_chunk
+from litellm_pipeline.model.batch import AttentionMetadata
 from litellm_pipeline.registry import register
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -72,22 +71,6 @@ def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return None
 
 
-def _prefill_sdpa(s: SeqAttention, q, k, v, k_cache, v_cache, scale, window, out) -> None:
-    """One prefill chunk through torch SDPA, exactly as the reference does it."""
-    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-    if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
-        ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-        vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-    else:
-        ks = gather_slots(k_cache, s.kv_slots, "k").transpose(0, 1)
-        vs = gather_slots(v_cache, s.kv_slots, "v").transpose(0, 1)
-    mask = _prefill_mask(s.q_len, s.ctx_len, window, q.dtype, q.device)
-    o = F.scaled_dot_product_attention(
-        qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
-
-
 @register("attention", "cpu_paged")
 def cpu_paged_attention(
     q: torch.Tensor,
@@ -119,7 +102,7 @@ def cpu_paged_attention(
             lens = torch.tensor([s.ctx_len])
             op(out, q, k_cache, v_cache, rows, s.kv_slots.reshape(1, -1), lens, s.q_len, scale, window)
         else:
-            _prefill_sdpa(s, q, k, v, k_cache, v_cache, scale, sliding_window, out)
+            sdpa_prefill_chunk(s, q, k, v, k_cache, v_cache, scale, sliding_window, out)
     if meta.decode_rows is not None:
         slots = meta.decode_kv_slots
         if slots.stride(-1) != 1:

@@ -44,10 +44,11 @@ class ModelConfig:
     max_position_embeddings: int
     rope: dict
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # a bias on the q, k and v projections
     qk_norm: bool
     sliding_windows: tuple  # per layer: window size or None
     hidden_act: str = "silu"
+    o_bias: bool = False  # a bias on the attention output projection (o_proj)
     # Mixture of Experts (num_experts == 0: dense)
     num_experts: int = 0
     experts_per_token: int = 0
@@ -89,6 +90,7 @@ class ModelConfig:
             raise CheckpointError(f"config.json: hidden_act {act!r} is not supported (supported: silu)")
         rope = rope_parameters_from_config(cfg)
 
+        qkv_bias, o_bias = _attention_biases(cfg, family)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         moe: dict[str, Any] = {}
@@ -129,7 +131,8 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings") or 2048),
             rope=rope,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family in ("qwen2", "qwen2_moe"))),
+            attention_bias=qkv_bias,
+            o_bias=o_bias,
             qk_norm=family in ("qwen3", "qwen3_moe"),
             sliding_windows=_sliding_windows(cfg, family, layers),
             hidden_act="silu",
@@ -137,6 +140,23 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             **moe,
         )
+
+
+def _attention_biases(cfg: dict, family: str) -> tuple[bool, bool]:
+    """(q/k/v bias, o_proj bias), as transformers builds each family's attention.
+
+    Llama and Qwen3 (dense and MoE) put a bias on q, k, v and o alike when ``attention_bias`` is set; Qwen2
+    always has a q/k/v bias and never an o bias; Qwen2-MoE the same, switchable by ``qkv_bias`` (transformers 5;
+    always on before); Mistral and Mixtral have no attention bias whatever config.json says.
+    """
+    if family in ("llama", "qwen3", "qwen3_moe"):
+        bias = bool(cfg.get("attention_bias", False))
+        return bias, bias
+    if family == "qwen2":
+        return True, False
+    if family == "qwen2_moe":
+        return bool(cfg.get("qkv_bias", True)), False
+    return False, False
 
 
 def _sliding_windows(cfg: dict, family: str, layers: int) -> tuple:

@@ -35,6 +35,7 @@ class CausalLM(nn.Module):
                 qk_eps,
                 cfg.sliding_windows[i],
                 attn_fn,
+                o_bias=cfg.o_bias,
             )
             if cfg.is_moe and cfg.moe_layers[i]:
                 mlp: nn.Module = SparseMoE(
@@ -99,6 +100,7 @@ class CausalLM(nn.Module):
             "q_norm": [layer.self_attn.q_norm.weight for layer in layers] if attn0.q_norm is not None else [],
             "k_norm": [layer.self_attn.k_norm.weight for layer in layers] if attn0.k_norm is not None else [],
             "o_w": [layer.self_attn.o_proj for layer in layers],
+            "o_b": [layer.self_attn.o_bias for layer in layers] if attn0.o_bias is not None else [],
             "post_norm": [layer.post_attention_layernorm.weight for layer in layers],
             "mlp_a": [layer.mlp.w13 if moe else layer.mlp.gate_up_proj for layer in layers],
             "mlp_b": [layer.mlp.w2 if moe else layer.mlp.down_proj for layer in layers],

@@ -170,7 +170,7 @@ class CpuFusedLayerOps(TorchLayerOps):
             h, layer.input_layernorm.weight, layer.input_layernorm.eps, attn.qkv_proj, attn.qkv_bias,
             None if qn is None else qn.weight, None if kn is None else kn.weight, 0.0 if qn is None else qn.eps,
             cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(),
-            meta.decode_ctx_lens, attn.scale, attn.sliding_window or 0, attn.o_proj,
+            meta.decode_ctx_lens, attn.scale, attn.sliding_window or 0, attn.o_proj, attn.o_bias,
             layer.post_attention_layernorm.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
             self.max_rows.get(h.dtype, 0),
         )
@@ -201,6 +201,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         return self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
             meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens, w["o_w"],
-            w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"], w["scale"],
-            w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_k, w["moe_normalize"], self.max_rows.get(h.dtype, 0),
+            w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
+            w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_k, w["moe_normalize"],
+            self.max_rows.get(h.dtype, 0),
         )

@@ -57,6 +57,7 @@ class Attention(nn.Module):
         qk_norm_eps: float | None,
         sliding_window: int | None,
         attn_fn: Callable,
+        o_bias: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -64,6 +65,7 @@ class Attention(nn.Module):
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, hidden)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if bias else None
         self.o_proj = _param(hidden, self.q_size)
+        self.o_bias = _param(hidden) if o_bias else None  # Llama / Qwen3 with attention_bias (q, k, v and o)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.sliding_window = sliding_window
@@ -83,7 +85,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, cos, sin)
         o = self.attn_fn(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return ops.linear(o.reshape(t, self.q_size), self.o_proj)
+        return ops.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
 
 
 class SparseMoE(nn.Module):

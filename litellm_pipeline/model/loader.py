@@ -111,6 +111,7 @@ class _Filler:
             "mlp.down_proj.weight": "mlp.down_proj",
             "mlp.shared_expert.down_proj.weight": "mlp.shared_expert.down_proj",
             "self_attn.o_proj.weight": "self_attn.o_proj",
+            "self_attn.o_proj.bias": "self_attn.o_bias",
         }.get(rest, rest)
         return self._try(p + rest, tensor)
 

@@ -8,13 +8,23 @@ every input is produced upstream before anything runs. Stages are built once wit
 
 Row order convention of a step: the schedule lists multi-token entries (prefill chunks) first, then
 single-token entries (decodes), and every step-level stage lays its per-token tensors out in that order.
+
+Who owns what: request-level stages decide and may reject (raise
+:class:`~litellm_pipeline.errors.InvalidRequestError`); the engine queues a request only after all of them
+pass. Step-level stages transform the step context and only *read* request state; the engine's postprocess
+then advances computed tokens, commits KV blocks, appends the sampled tokens, finishes and frees. A step
+must end with ``samples`` (what the engine appends); ``emissions`` (text deltas, proposed finishes) are
+optional.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from litellm_pipeline.engine.request import Request
+
+if TYPE_CHECKING:
+    from litellm_pipeline.engine.kv_cache_manager import KVLayout
 
 
 class Stage:
@@ -39,8 +49,10 @@ class RequestContext:
 
 
 class StepContext:
-    """Fields of one engine step; ``schedule`` is ``[(request, num_new_tokens), ...]`` in row order."""
+    """Fields of one engine step. The engine provides ``schedule`` (``[(request, num_new_tokens), ...]`` in
+    row order) and ``kv_layout`` (where those tokens' K/V live); stages add the rest (``route_plan``,
+    ``prefill_batch``, ``logits``, ``sample_requests``, ``samples``, ``emissions``, ...)."""
 
-    def __init__(self, schedule: list[tuple[Request, int]]):
+    def __init__(self, schedule: list[tuple[Request, int]], kv_layout: KVLayout):
         self.schedule = schedule
-        self.outputs: list = []
+        self.kv_layout = kv_layout

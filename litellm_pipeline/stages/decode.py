@@ -1,7 +1,9 @@
 """decode: one token for every generating request, packed with the step's prefill chunks into one forward.
 
 A single forward per step reads the weights once for decodes and prompt chunks alike; this stage owns it
-and hands the logits of every request that reached the end of its known tokens to ``sample``.
+and hands the logits of every request that reaches the end of its known tokens this step to ``sample``.
+It only reads request state: advancing computed tokens and committing KV blocks is the engine's
+postprocess.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from litellm_pipeline.stages.base import Stage, StepContext
 
 @register("stage", "decode")
 class Decode(Stage):
-    inputs = ("schedule", "prefill_batch", "route_plan")
+    inputs = ("schedule", "kv_layout", "prefill_batch", "route_plan")
     outputs = ("logits", "sample_requests")
 
     def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch"):
@@ -28,30 +30,22 @@ class Decode(Stage):
         )
 
     def __call__(self, ctx: StepContext) -> None:
-        rt, pb = self.rt, ctx.prefill_batch
-        dev, bs = rt.device, rt.block_size
+        rt, pb, kv = self.rt, ctx.prefill_batch, ctx.kv_layout
+        dev = rt.device
         decodes = ctx.schedule[len(pb.requests) :]
         ids = list(pb.token_ids)
         positions, slots, rope_lens = list(pb.positions), list(pb.slots), list(pb.rope_seq_lens)
         meta_kw = {}
         if decodes:
-            b = len(decodes)
-            ctx_lens = [r.num_computed + 1 for r, _ in decodes]
-            lmax = max(ctx_lens)
-            nblk = -(-lmax // bs)
-            table = torch.zeros(b, nblk, dtype=torch.long)
-            for i, (r, _) in enumerate(decodes):
-                table[i, : min(len(r.block_ids), nblk)] = torch.tensor(r.block_ids[:nblk])
+            for r, _ in decodes:
                 ids.append(r.token_at(r.num_computed, r.num_computed + 1)[0])
-            lens_t = torch.tensor(ctx_lens)
-            lpos = torch.arange(lmax)
-            kv_slots = table[:, lpos // bs] * bs + lpos % bs
+            lens_t = kv.decode_ctx_lens
             positions.append(lens_t - 1)
-            slots.append(kv_slots[torch.arange(b), lens_t - 1])
-            rope_lens.extend(ctx_lens)
+            slots.append(kv.decode_new_slots)
+            rope_lens.extend(r.num_computed + 1 for r, _ in decodes)
             meta_kw = dict(
-                decode_rows=torch.arange(pb.num_tokens, pb.num_tokens + b, device=dev),
-                decode_kv_slots=kv_slots.to(dev),
+                decode_rows=torch.arange(pb.num_tokens, pb.num_tokens + len(decodes), device=dev),
+                decode_kv_slots=kv.decode_slots.to(dev),
                 decode_ctx_lens=lens_t.to(dev),
             )
         for s in pb.seqs:
@@ -65,9 +59,7 @@ class Decode(Stage):
         rows, reqs, row = [], [], 0
         for req, n in ctx.schedule:
             row += n
-            req.num_computed += n
-            rt.kv.commit(req)  # newly full blocks become replayable prefixes
-            if req.num_computed == req.num_tokens:  # caught up: its next token is sampled now
+            if req.num_computed + n == req.num_tokens:  # catches up this step: its next token is sampled now
                 rows.append(row - 1)
                 reqs.append(req)
         ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None

@@ -1,4 +1,4 @@
-"""prefill: lay out this step's prompt chunks (paged KV slots, positions, per-sequence attention spans)."""
+"""prefill: lay out this step's prompt chunks (positions, paged-KV slots, per-sequence attention spans)."""
 
 from __future__ import annotations
 
@@ -26,28 +26,19 @@ class PrefillBatch:
         return len(self.token_ids)
 
 
-def context_slots(block_ids: list[int], ctx_len: int, block_size: int) -> torch.Tensor:
-    """Flat KV slot of each of the first ``ctx_len`` positions of a sequence."""
-    pos = torch.arange(ctx_len)
-    return torch.tensor(block_ids, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
-
-
 @register("stage", "prefill")
 class Prefill(Stage):
-    """Chunks (entries computing more than one token) come first in the step's row order."""
+    """Chunks (entries computing more than one token) come first in the step's row order; their KV slots
+    come from the step's :class:`~litellm_pipeline.engine.kv_cache_manager.KVLayout`."""
 
-    inputs = ("schedule",)
+    inputs = ("schedule", "kv_layout")
     outputs = ("prefill_batch",)
 
     def __call__(self, ctx: StepContext) -> None:
-        bs = self.rt.block_size
         reqs, ids, pos, slots, seqs, lens = [], [], [], [], [], []
         row = 0
-        for req, n in ctx.schedule:
-            if n == 1:
-                break  # decodes follow; the decode stage lays them out
+        for (req, n), kv in zip(ctx.schedule, ctx.kv_layout.chunk_slots):
             start, end = req.num_computed, req.num_computed + n
-            kv = context_slots(req.block_ids, end, bs)
             reqs.append((req, n))
             ids.extend(req.token_at(start, end))
             pos.append(torch.arange(start, end))

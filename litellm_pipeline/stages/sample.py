@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from litellm_pipeline import registry
+from litellm_pipeline.engine.request import Sample as SampledToken
 from litellm_pipeline.registry import register
-from litellm_pipeline.sampler import SamplingRow
+from litellm_pipeline.sampling.samplers import SamplingRow
 from litellm_pipeline.stages.base import Stage, StepContext
 
 
@@ -24,4 +25,4 @@ class Sample(Stage):
             return
         rows = [SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids) for r in reqs]
         out = self.sampler(ctx.logits, rows)
-        ctx.samples = list(zip(reqs, out.token_ids, out.logprobs))
+        ctx.samples = [SampledToken(r, t, lp) for r, t, lp in zip(reqs, out.token_ids, out.logprobs)]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.registry import register
-from litellm_pipeline.stages.admit import AdmissionError
 from litellm_pipeline.stages.base import RequestContext, Stage
 
 
@@ -34,5 +34,5 @@ class SelectTier(Stage):
         elif req.tier in self.rt.tiers:
             req.tierset = self.rt.tiers[req.tier]
         else:
-            raise AdmissionError(f"unknown tier {req.tier!r}; known tiers: {', '.join(self.rt.tiers)}")
+            raise InvalidRequestError("tier", f"unknown tier {req.tier!r}; known tiers: {', '.join(self.rt.tiers)}")
         ctx.tierset = req.tierset

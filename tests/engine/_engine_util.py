@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.telemetry import MemorySink
 
 
 def greedy(max_tokens: int = 16, **kw) -> SamplingParams:
@@ -82,3 +83,13 @@ def boundary_stop(llm: LLM, prompt, params: SamplingParams, start_token: int = 2
         if a and b and ok(a[-1]) and ok(b[0]):
             return a[-1] + b[0]
     raise AssertionError(f"no two neighbouring printable token texts in {pieces!r}")
+
+
+def events(llm: LLM) -> MemorySink:
+    """The engine's in-memory event sink (subscribed on first use); read ``.counts[kind]`` or ``.of(Type)``."""
+    bus = llm.engine.bus
+    sink = bus.sink(MemorySink)
+    if sink is None:
+        sink = MemorySink()
+        bus.subscribe(sink)
+    return sink

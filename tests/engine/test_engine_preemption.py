@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _engine_util import alone, assert_pool_empty, greedy
+from _engine_util import alone, assert_pool_empty, events, greedy
 from hf_models import random_prompts
 
 from litellm_pipeline import SamplingParams
@@ -23,10 +23,9 @@ def test_preemption_recompute_matches_unconstrained(make_llm, config):
     lengths = [10, 14, 18, 22, 13]
     prompts = random_prompts(lengths, seed=31)
     params = [greedy(20) for _ in range(4)] + [SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)]
-    sched = small.engine.rt.scheduler
-    before = sched.num_preemptions
+    before = events(small).counts["preempted"]
     outs = small.generate(prompts, params)
-    assert sched.num_preemptions > before, "the cache was meant to be too small for the batch"
+    assert events(small).counts["preempted"] > before, "the cache was meant to be too small for the batch"
     for i, (p, sp, o) in enumerate(zip(prompts, params, outs)):
         assert o.token_ids == alone(ref, p, sp).token_ids, f"request {i} changed after preemption"
         assert o.finish_reason == "length" and len(o.token_ids) == 20
@@ -40,7 +39,7 @@ def test_preemption_mid_stream_via_engine(make_llm):
     eng = small.engine
     prompts = random_prompts([6, 30, 9, 17, 25, 3], seed=32)
     params = [greedy(n) for n in (30, 12, 24, 16, 20, 28)]
-    before = eng.rt.scheduler.num_preemptions
+    before = events(small).counts["preempted"]
     ids = []
     for p, sp in zip(prompts, params):
         ids.append(eng.add_request(p, sp).request_id)
@@ -53,7 +52,7 @@ def test_preemption_mid_stream_via_engine(make_llm):
         for o in eng.step():
             if o.finished:
                 final[o.request_id] = o
-    assert eng.rt.scheduler.num_preemptions > before
+    assert events(small).counts["preempted"] > before
     for rid, p, sp in zip(ids, prompts, params):
         assert final[rid].token_ids == alone(ref, p, sp).token_ids
     assert_pool_empty(small)

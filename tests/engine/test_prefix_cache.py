@@ -14,6 +14,8 @@ from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.kv_cache_manager import hash_block
 from litellm_pipeline.engine.kv_policy import LFUPolicy, LRUPolicy
 from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.telemetry import BlocksPromoted, RequestPreempted
+from _engine_util import events
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -92,9 +94,9 @@ def test_prefix_hit_skips_prefill_and_keeps_output(ckpt, fresh):
 def test_tenants_never_share_blocks(ckpt):
     llm = LLM(model=ckpt, block_size=16)
     p = random_prompts((40,), seed=12)[0]
-    run(llm, p, salt="tenant-a")
-    assert run(llm, p, salt="tenant-b").num_cached_tokens == 0
-    assert run(llm, p, salt="tenant-a").num_cached_tokens == 32
+    run(llm, p, tenant="tenant-a")
+    assert run(llm, p, tenant="tenant-b").num_cached_tokens == 0
+    assert run(llm, p, tenant="tenant-a").num_cached_tokens == 32
 
 
 def test_prefix_caching_can_be_turned_off(ckpt):
@@ -107,17 +109,19 @@ def test_prefix_caching_can_be_turned_off(ckpt):
 def test_evicted_prefix_comes_back_from_the_warm_tier(ckpt, fresh):
     llm = LLM(model=ckpt, block_size=8, num_blocks=12, **{"cache.warm_blocks": 16})
     kv = llm.engine.rt.kv
+    sink = events(llm)
     shared = random_prompts((40,), seed=14)[0]
     run(llm, shared + [7])  # 5 full blocks cached in the hot pool
     for filler in random_prompts((80, 80), seed=15):  # pressure: evicts them, warm keeps them
         run(llm, filler, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert llm.engine.rt.pool.num_evictions > 0 and len(kv.warm.cached) > 0
+    assert sink.counts["evicted"] > 0 and sink.counts["demoted"] > 0 and kv.warm.pool.num_cached > 0
     assert kv.hot.lookup(kv.block_hashes(llm.engine.add_request(shared, GREEDY), 8)[0]) is None
     llm.engine.abort(next(iter(llm.engine.requests)))
     out = run(llm, shared + [9])
     assert out.num_cached_tokens == 40
+    assert sink.total(BlocksPromoted, "num_blocks") == 5
     assert out.token_ids == fresh(shared + [9])
-    assert llm.engine.rt.pool.is_empty() and kv.warm.held == 0
+    assert llm.engine.rt.pool.is_empty() and kv.warm.num_held == 0
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -125,12 +129,12 @@ def test_preemption_keeps_outputs(ckpt, fresh, mode):
     llm = LLM(model=ckpt, block_size=4, num_blocks=24, **{"engine.preemption": mode, "cache.warm_blocks": 64})
     prompts = random_prompts((20, 28, 12, 33), seed=16)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    sink = events(llm)
     outs = llm.generate(prompts, params)
-    sched = llm.engine.rt.scheduler
-    assert sched.num_preemptions > 0
-    assert (sched.num_swaps > 0) == (mode == "swap")
+    modes = {e.mode for e in sink.of(RequestPreempted)}
+    assert modes == {mode}, f"preemptions by {modes}, expected only {mode}"
     assert [o.token_ids for o in outs] == [fresh(p, params) for p in prompts]
-    assert llm.engine.rt.pool.is_empty() and llm.engine.rt.kv.warm.held == 0
+    assert llm.engine.rt.pool.is_empty() and llm.engine.rt.kv.warm.num_held == 0
 
 
 def test_priority_scheduler_serves_lower_values_first(ckpt):

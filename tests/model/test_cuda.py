@@ -7,6 +7,7 @@ import torch
 
 from hf_models import hf_generate, random_prompts
 from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.telemetry import MemorySink, RequestPreempted
 
 pytestmark = [
     pytest.mark.cuda,
@@ -33,10 +34,11 @@ def test_cuda_warm_tier_is_pinned_and_swap_keeps_outputs(hf_checkpoint):
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in LLM(model=path, device="cuda", dtype="float32").generate(prompts, params)]
     llm = LLM(model=path, device="cuda", dtype="float32", block_size=4, num_blocks=24,
-              **{"engine.preemption": "swap", "cache.warm_blocks": 64})
+              overrides=["telemetry=memory"], **{"engine.preemption": "swap", "cache.warm_blocks": 64})
     assert llm.engine.rt.kv.warm.kv[0][0].is_pinned()
     assert [o.token_ids for o in llm.generate(prompts, params)] == ref
-    assert llm.engine.rt.scheduler.num_swaps > 0 and llm.engine.rt.pool.is_empty()
+    sink = llm.engine.bus.sink(MemorySink)
+    assert any(e.mode == "swap" for e in sink.of(RequestPreempted)) and llm.engine.rt.pool.is_empty()
 
 
 def test_auto_device_picks_cuda(hf_checkpoint):

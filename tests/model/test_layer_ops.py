@@ -159,13 +159,14 @@ def test_fused_ops_are_bound_to_every_layer(hf_checkpoint):
     assert bound == {CpuFusedLayerOps}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "llama+bias", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
     """All layers in one call, each layer's attention half + dense MLP in one call, and the ops one by one give
-    bit-identical logprobs: qkv bias (qwen2), q/k norm (qwen3), sliding window (mistral), MoE (qwen3_moe), and a
-    shared expert (qwen2_moe: no whole-model call, per-layer blocks only)."""
-    path = hf_checkpoint(arch)
+    bit-identical logprobs: qkv bias (qwen2), q/k/v and o bias (llama+bias: attention_bias), q/k norm (qwen3),
+    sliding window (mistral), MoE (qwen3_moe), and a shared expert (qwen2_moe: no whole-model call, per-layer
+    blocks only)."""
+    path = hf_checkpoint("llama", attention_bias=True) if arch == "llama+bias" else hf_checkpoint(arch)
     prompts = random_prompts((5, 13, 21), seed=12)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     runs = {}

@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from hf_models import ARCHS, hf_generate, random_prompts, save_checkpoint
+from hf_models import ARCHS, build_model, hf_generate, random_prompts, save_checkpoint
 from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.model.config import ModelConfig
 
 NEW_TOKENS = 24
 LENGTHS = (5, 13, 31)
@@ -39,6 +40,49 @@ def test_greedy_parity(arch, hf_checkpoint):
     path = hf_checkpoint(arch)
     prompts = random_prompts(LENGTHS, seed=1)
     _assert_parity(hf_generate(path, prompts, NEW_TOKENS), _ours(path, prompts))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attention_bias", [False, True])
+def test_attention_biases_follow_transformers(arch, attention_bias):
+    """Which projections carry a bias is what transformers builds: q/k/v/o on Llama and Qwen3 (dense, MoE) with
+    attention_bias, q/k/v only (always) on Qwen2 and Qwen2-MoE, none on Mistral and Mixtral whatever the config."""
+    model = build_model(arch, attention_bias=attention_bias)
+    attn = model.model.layers[0].self_attn
+    cfg = model.config.to_dict()
+    cfg["architectures"] = [type(model).__name__]
+    ours = ModelConfig.from_dict(cfg)
+    assert ours.attention_bias == (attn.q_proj.bias is not None)
+    assert ours.o_bias == (attn.o_proj.bias is not None)
+
+
+@pytest.mark.parametrize("layer_ops", ["torch", "cpu_fused"])
+def test_llama_attention_bias_parity(layer_ops, hf_checkpoint):
+    """A Llama saved with attention_bias: true has q/k/v AND o_proj biases; all four load and apply, op by op
+    (torch) and through the fused decode calls (cpu_fused)."""
+    from safetensors import safe_open
+
+    path = hf_checkpoint("llama", attention_bias=True)
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for layer in range(2):
+            for proj in "qkvo":
+                b = f.get_tensor(f"model.layers.{layer}.self_attn.{proj}_proj.bias")
+                assert b.abs().min() > 0, f"{proj}_proj bias of layer {layer} has zeros"
+    prompts = random_prompts(LENGTHS, seed=8)
+    llm = LLM(model=str(path), overrides=[f"pipeline.stages.decode.params.layer_ops={layer_ops}"])
+    model = llm.engine.rt.model
+    assert all(layer.self_attn.o_bias is not None for layer in model.layers)
+    calls = []
+    if layer_ops == "cpu_fused" and model.layers[0].fused_decode is not None:  # the C++ kernels built
+        whole = model.fused_decode_layers  # the whole-model decode call takes the o bias too
+        assert whole is not None
+        model.fused_decode_layers = lambda *a: calls.append(1) or whole(*a)
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(prompts, params)
+    assert llm.engine.rt.pool.is_empty()
+    assert bool(calls) == (layer_ops == "cpu_fused" and model.layers[0].fused_decode is not None)
+    ours = [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
+    _assert_parity(hf_generate(path, prompts, NEW_TOKENS), ours)
 
 
 def test_parity_with_chunked_prefill_and_small_blocks(hf_checkpoint):

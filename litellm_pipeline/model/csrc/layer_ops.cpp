@@ -333,10 +333,11 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Ten
 
 // ---------------------------------------------------------------------------------------------- MoE experts
 // x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM
-at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows) {
+at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows,
+                      const c10::optional<at::Tensor>& bias = c10::nullopt) {
   const bool small = LLP_AVX512 && x.size(0) <= max_rows &&
                      (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-  return small ? small_linear(x, w, c10::nullopt) : at::linear(x, w);
+  return small ? small_linear(x, w, bias) : at::linear(x, w, bias);
 }
 
 // o += rnd(y * g), rounding in T like torch's (T * float32 -> float32).to(T) then an accumulating index_put_
@@ -445,8 +446,9 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 // ---------------------------------------------------------------------------------------------- fused blocks
 // The attention half of a decoder layer for a decode-only step (one new token per sequence, no prompt chunk),
 // in one call: input RMSNorm, qkv projection (+ bias), optional q/k RMSNorm, RoPE, the K/V write into the
-// paged cache, paged attention, o projection, residual add and the post-attention RMSNorm. The same kernels
-// run in the same order as the op-by-op path, so results are identical; what goes is the per-op overhead.
+// paged cache, paged attention, o projection (+ bias, Llama/Qwen3 with attention_bias), residual add and the
+// post-attention RMSNorm. The same kernels run in the same order as the op-by-op path, so results are
+// identical; what goes is the per-op overhead.
 // Returns (h + attention, post_attention_norm(h + attention)).
 std::tuple<at::Tensor, at::Tensor> decode_attention_block(
     const at::Tensor& h, const at::Tensor& in_norm_w, double eps, const at::Tensor& qkv_w,
@@ -454,7 +456,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
     const c10::optional<at::Tensor>& k_norm_w, double qk_eps, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
     const at::Tensor& kv_slots, const at::Tensor& ctx_lens, double scale, int64_t window, const at::Tensor& o_w,
-    const at::Tensor& post_norm_w, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t max_rows) {
+    const c10::optional<at::Tensor>& o_b, const at::Tensor& post_norm_w, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t max_rows) {
   TORCH_CHECK(h.dim() == 2, "decode_attention_block: h must be [B, H]");
   const int64_t b = h.size(0);
   const at::Tensor x = rms_norm(h, in_norm_w, eps);
@@ -477,7 +480,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
   v_cache.index_copy_(0, slot_mapping, v);
   at::Tensor out = at::empty({b, num_heads, head_dim}, h.options());
   llp::run_paged_attention(out, q, k_cache, v_cache, rows, kv_slots, ctx_lens, 1, scale, window);
-  const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows);
+  const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows, o_b);
   return add_rms_norm(h, a, post_norm_w, eps);
 }
 
@@ -494,7 +497,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                          at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
                          const at::Tensor& rows, const at::Tensor& kv_slots, const at::Tensor& ctx_lens,
-                         at::TensorList o_w, at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
+                         at::TensorList o_w, at::TensorList o_b, at::TensorList post_norm, at::TensorList mlp_a,
+                         at::TensorList mlp_b,
                          at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k, bool moe_normalize,
                          int64_t max_rows) {
@@ -503,6 +507,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                      mlp_b.size(), windows.size()})
     TORCH_CHECK(len == n, "decode_layers: every per-layer list needs one entry per layer");
   TORCH_CHECK(qkv_b.empty() || qkv_b.size() == n, "decode_layers: qkv_b is empty or per layer");
+  TORCH_CHECK(o_b.empty() || o_b.size() == n, "decode_layers: o_b is empty or per layer");
   TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
               "decode_layers: q_norm/k_norm are empty or per layer");
   TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
@@ -512,7 +517,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
         h, in_norm[i], eps, qkv_w[i], qkv_b.empty() ? c10::optional<at::Tensor>() : qkv_b[i],
         q_norm.empty() ? c10::optional<at::Tensor>() : q_norm[i], k_norm.empty() ? c10::optional<at::Tensor>() : k_norm[i],
         qk_eps, cos, sin, k_caches[i], v_caches[i], slot_mapping, rows, kv_slots, ctx_lens, scale, windows[i], o_w[i],
-        post_norm[i], num_heads, num_kv_heads, head_dim, max_rows);
+        o_b.empty() ? c10::optional<at::Tensor>() : o_b[i], post_norm[i], num_heads, num_kv_heads, head_dim,
+        max_rows);
     if (router.empty()) {
       h = residual_mlp(s, x, mlp_a[i], mlp_b[i], max_rows);
     } else {
@@ -536,12 +542,14 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "decode_attention_block(Tensor h, Tensor in_norm_w, float eps, Tensor qkv_w, Tensor? qkv_b, Tensor? q_norm_w, "
       "Tensor? k_norm_w, float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
-      "Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) -> (Tensor, Tensor)");
+      "Tensor? o_b, Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) "
+      "-> (Tensor, Tensor)");
   m.def("moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows) -> (Tensor, Tensor)");
   m.def(
       "decode_layers(Tensor h, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] qkv_b, Tensor[] q_norm, Tensor[] k_norm, "
       "Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor rows, "
-      "Tensor kv_slots, Tensor ctx_lens, Tensor[] o_w, Tensor[] post_norm, Tensor[] mlp_a, Tensor[] mlp_b, "
+      "Tensor kv_slots, Tensor ctx_lens, Tensor[] o_w, Tensor[] o_b, Tensor[] post_norm, Tensor[] mlp_a, "
+      "Tensor[] mlp_b, "
       "Tensor[] router, int[] windows, float eps, float qk_eps, float scale, int num_heads, int num_kv_heads, "
       "int head_dim, int moe_k, bool moe_normalize, int max_rows) -> Tensor");
   m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");

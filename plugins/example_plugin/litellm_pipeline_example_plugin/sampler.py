@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from litellm_pipeline.sampler import GreedySampler
+from litellm_pipeline.sampling.samplers import GreedySampler
 
 
 class ArgmaxSampler(GreedySampler):

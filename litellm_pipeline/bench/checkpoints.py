@@ -1,4 +1,4 @@
-"""Random-weight checkpoints built from a seed: the bench's models and a small seeded random MoE.
+"""Random-weight bench checkpoints built from a seed.
 
 Each is written once as an ordinary Hugging Face checkpoint directory (config.json, model.safetensors,
 tokenizer.json, ...) in a cache folder and then loaded through the same loader as any user checkpoint.
@@ -18,32 +18,6 @@ import torch
 from safetensors.torch import save_file
 
 from litellm_pipeline.tokenizer import build_byte_tokenizer
-
-DEMO_VERSION = 1
-DEMO_CONFIG = {
-    "architectures": ["MixtralForCausalLM"],
-    "model_type": "mixtral",
-    "vocab_size": 320,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 32,
-    "num_local_experts": 8,
-    "num_experts_per_tok": 2,
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "pad_token_id": 2,
-    "torch_dtype": "float32",
-}
-DEMO_PROMPTS = ("The capital of France is", "def fibonacci(n):", "1 2 3 4 5")
 
 
 def cache_root() -> Path:
@@ -108,8 +82,3 @@ def write_random_checkpoint(target: Path, cfg: dict, seed: int, tokenizer=None) 
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def ensure_demo_checkpoint(seed: int = 0) -> Path:
-    """Return the demo checkpoint directory for ``seed``, writing it first if it is not cached yet."""
-    return write_random_checkpoint(cache_root() / f"demo-moe-v{DEMO_VERSION}-seed{seed}", DEMO_CONFIG, seed)

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 import torch
 
 from litellm_pipeline.registry import register
-from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.sampling.params import SamplingParams
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "GreedySampler", "apply_penalties"]
 

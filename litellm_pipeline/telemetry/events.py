@@ -1,0 +1,153 @@
+"""The events the runtime publishes. Each is a small frozen record; ``kind`` is its stable name.
+
+Request lifecycle: arrived → (rejected | admitted) → scheduled → first_token → (finished | aborted), with
+preempted any number of times in between. KV cache: prefix lookups (hit and miss tokens), evictions,
+demotions to the warm tier and promotions from it. Engine: one ``step`` per engine step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+__all__ = [
+    "Event",
+    "RequestArrived",
+    "RequestRejected",
+    "RequestAdmitted",
+    "RequestScheduled",
+    "FirstToken",
+    "RequestFinished",
+    "RequestAborted",
+    "RequestPreempted",
+    "PrefixLookup",
+    "BlocksEvicted",
+    "BlocksDemoted",
+    "BlocksPromoted",
+    "StepFinished",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: ClassVar[str] = "event"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestArrived(Event):
+    """A request was submitted (before any request-level stage ran)."""
+
+    kind: ClassVar[str] = "arrived"
+    request_id: str | None  # None until admitted when the caller gave no id
+    tenant: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRejected(Event):
+    """A request stage (or the engine) refused the request; nothing of it was kept."""
+
+    kind: ClassVar[str] = "rejected"
+    request_id: str | None
+    tenant: str
+    error: str  # the error class name, e.g. "InvalidRequestError"
+    reason: str  # its message
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmitted(Event):
+    kind: ClassVar[str] = "admitted"
+    request_id: str
+    tenant: str
+    tier: str | None
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestScheduled(Event):
+    """A waiting request started running (first time, or again after a preemption)."""
+
+    kind: ClassVar[str] = "scheduled"
+    request_id: str
+    queue_time_s: float  # since arrival
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken(Event):
+    kind: ClassVar[str] = "first_token"
+    request_id: str
+    ttft_s: float  # since arrival
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished(Event):
+    kind: ClassVar[str] = "finished"
+    request_id: str
+    tenant: str
+    reason: str  # "stop" | "length" | ...
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    tier: str | None
+    latency_s: float  # arrival to finish
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAborted(Event):
+    kind: ClassVar[str] = "aborted"
+    request_id: str
+    tenant: str
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestPreempted(Event):
+    kind: ClassVar[str] = "preempted"
+    request_id: str
+    mode: str  # "swap" | "recompute"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLookup(Event):
+    """A new request looked its prompt up in the prefix cache."""
+
+    kind: ClassVar[str] = "prefix_lookup"
+    request_id: str
+    hit_tokens: int
+    miss_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksEvicted(Event):
+    """Cached hot blocks given up for new allocations (with a warm tier they are demoted first)."""
+
+    kind: ClassVar[str] = "evicted"
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksDemoted(Event):
+    """Evicted hot blocks whose content was kept in the warm tier."""
+
+    kind: ClassVar[str] = "demoted"
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksPromoted(Event):
+    """Warm blocks copied back into the hot pool by a prefix hit."""
+
+    kind: ClassVar[str] = "promoted"
+    num_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished(Event):
+    kind: ClassVar[str] = "step"
+    batch_size: int  # requests in the step
+    prefill_tokens: int  # prompt tokens computed (chunks and single prompt tokens)
+    decode_tokens: int  # generated tokens computed
+    duration_s: float
+    num_running: int  # after the step
+    num_waiting: int
+    free_blocks: int  # hot blocks an allocation could get
