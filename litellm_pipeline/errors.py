@@ -22,6 +22,7 @@ import pydantic
 __all__ = [
     "ConfigError",
     "InvalidValueError",
+    "ReadableModel",
     "RequestError",
     "InvalidRequestError",
     "NotFoundError",
@@ -54,6 +55,27 @@ _MAX_INPUT_REPR = 80
 
 class ConfigError(ValueError):
     """A configuration could not be loaded or built; ``str()`` is the readable explanation."""
+
+
+class ReadableModel(pydantic.BaseModel):
+    """A pydantic model whose validation errors are one readable :class:`InvalidValueError`
+    (``field: must be >= 0 (got -1)``, one line per problem) instead of pydantic's multi-line report."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as err:
+            raise InvalidValueError(err) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any):
+        """Validate a mapping (e.g. a request body); errors are raised like ``__init__``'s."""
+        try:
+            return super().model_validate(obj, *args, **kwargs)
+        except pydantic.ValidationError as err:
+            # pydantic routes this through __init__, so the error usually wraps our InvalidValueError;
+            # InvalidValueError's text unwraps it again
+            raise InvalidValueError(err) from None
 
 
 class InvalidValueError(ValueError):

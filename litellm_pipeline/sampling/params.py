@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-import pydantic
 from pydantic import AfterValidator, BeforeValidator, ConfigDict
 
-from litellm_pipeline.errors import InvalidValueError, range_message
+from litellm_pipeline.errors import ReadableModel, range_message
 
 __all__ = ["SamplingParams"]
 
@@ -64,7 +63,7 @@ _StopString = Annotated[str, AfterValidator(_non_empty)]
 _TokenId = Annotated[int, _NUM, _in_range(0)]
 
 
-class SamplingParams(pydantic.BaseModel):
+class SamplingParams(ReadableModel):
     """How to pick tokens for one request (OpenAI / vLLM semantics).
 
     * ``temperature`` 0 means greedy (argmax; ties go to the lowest token id).
@@ -92,23 +91,6 @@ class SamplingParams(pydantic.BaseModel):
     ignore_eos: bool = False
     logprobs: Annotated[int | None, _NUM, _in_range(0, 20)] = None
     skip_special_tokens: bool = True
-
-    def __init__(self, **data: Any) -> None:
-        # callers get one readable ValueError, not pydantic's multi-line report
-        try:
-            super().__init__(**data)
-        except pydantic.ValidationError as err:
-            raise InvalidValueError(err) from None
-
-    @classmethod
-    def model_validate(cls, obj: Any, *args: Any, **kwargs: Any) -> "SamplingParams":
-        """Validate a mapping (e.g. a request body); errors are re-raised like ``__init__``'s."""
-        try:
-            return super().model_validate(obj, *args, **kwargs)
-        except pydantic.ValidationError as err:
-            # pydantic routes this through __init__, so the error usually wraps our InvalidValueError;
-            # InvalidValueError's text unwraps it again
-            raise InvalidValueError(err) from None
 
     @property
     def greedy(self) -> bool:

@@ -118,27 +118,29 @@ class PrefixLookup(Event):
 
 
 @dataclass(frozen=True, slots=True)
-class BlocksEvicted(Event):
+class _BlockEvent(Event):
+    num_blocks: int
+
+
+class BlocksEvicted(_BlockEvent):
     """Cached hot blocks given up for new allocations (with a warm tier they are demoted first)."""
 
+    __slots__ = ()
     kind: ClassVar[str] = "evicted"
-    num_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlocksDemoted(Event):
+class BlocksDemoted(_BlockEvent):
     """Evicted hot blocks whose content was kept in the warm tier."""
 
+    __slots__ = ()
     kind: ClassVar[str] = "demoted"
-    num_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class BlocksPromoted(Event):
+class BlocksPromoted(_BlockEvent):
     """Warm blocks copied back into the hot pool by a prefix hit."""
 
+    __slots__ = ()
     kind: ClassVar[str] = "promoted"
-    num_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

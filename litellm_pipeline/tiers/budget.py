@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-import pydantic
 from pydantic import ConfigDict, Field
 
-from litellm_pipeline.errors import InvalidValueError
+from litellm_pipeline.errors import ReadableModel
 
 _Limit = Annotated[float | None, Field(default=None, gt=0, allow_inf_nan=False)]
 
 
-class BudgetSpec(pydantic.BaseModel):
+class BudgetSpec(ReadableModel):
     """A request's budget.
 
     * ``latency_cost_ms`` — end-to-end latency (arrival to last token).
@@ -25,12 +24,6 @@ class BudgetSpec(pydantic.BaseModel):
     latency_cost_ms: _Limit = None
     latency_per_token_ms: _Limit = None
     monetary_cost_units: _Limit = None
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except pydantic.ValidationError as err:
-            raise InvalidValueError(err) from None
 
     @property
     def unlimited(self) -> bool:

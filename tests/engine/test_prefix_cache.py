@@ -1,21 +1,15 @@
-"""Replayable prefixes, hot/warm KV tiers, swap preemption, priority scheduling and sessions."""
+"""Replayable prefixes, hot/warm KV tiers, swap preemption and sessions, end to end through the engine."""
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 
 import pytest
-
-from hf_models import random_prompts
-from litellm_pipeline import LLM, SamplingParams
-from litellm_pipeline.engine.block_pool import BlockPool
-from litellm_pipeline.engine.kv_cache_manager import hash_block
-from litellm_pipeline.engine.kv_policy import LFUPolicy, LRUPolicy
-from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.telemetry import BlocksPromoted, RequestPreempted
 from _engine_util import events
+from hf_models import random_prompts
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.telemetry import BlocksPromoted, RequestPreempted
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -38,44 +32,6 @@ def fresh(ckpt):
     """Reference outputs from an engine without any prefix cache."""
     llm = LLM(model=ckpt, **{"cache.enable_prefix_caching": False})
     return lambda prompt, params=GREEDY: run(llm, prompt, params).token_ids
-
-
-def test_block_hash_is_chained_salted_sha256():
-    toks = [5, 6, 7, 8]
-    expect = hashlib.sha256(b"")
-    expect.update(b"tenant-a\x00")
-    expect.update(array("q", toks).tobytes())
-    assert hash_block(b"", toks, "tenant-a") == expect.digest()
-    assert hash_block(b"", toks, "tenant-b") != hash_block(b"", toks, "tenant-a")
-    h1 = hash_block(b"", toks, "")
-    assert hash_block(h1, toks, "") != hash_block(hash_block(b"", [9, 9, 9, 9], ""), toks, "")
-
-
-@pytest.mark.parametrize("policy_cls", [LRUPolicy, LFUPolicy])
-def test_block_pool_keeps_freed_hashed_blocks_until_evicted(policy_cls):
-    evicted = []
-    pool = BlockPool(4, policy=policy_cls(), on_evict=lambda b, h: evicted.append(h))
-    a, b = pool.allocate(2)
-    pool.register(a, b"A")
-    pool.register(b, b"B")
-    pool.free([a, b])
-    assert pool.num_free == 4 and pool.lookup(b"A") == a and pool.is_empty()
-    pool.acquire(a)  # a prefix hit takes it back
-    assert pool.ref_counts[a] == 1 and pool.num_free == 3
-    pool.free([a])
-    new = pool.allocate(3)  # 2 never-cached blocks first, then one eviction
-    assert len(evicted) == 1 and len(set(new)) == 3
-    pool.free(new)
-    assert pool.is_empty()
-
-
-def test_lru_and_lfu_choose_different_victims():
-    for cls, expect in ((LRUPolicy, 1), (LFUPolicy, 2)):
-        p = cls()
-        p.hit(1)  # block 1 was reused once; block 2 never
-        p.add(1)
-        p.add(2)
-        assert p.pop() == expect, cls.__name__
 
 
 def test_prefix_hit_skips_prefill_and_keeps_output(ckpt, fresh):
@@ -137,22 +93,6 @@ def test_preemption_keeps_outputs(ckpt, fresh, mode):
     assert llm.engine.rt.pool.is_empty() and llm.engine.rt.kv.warm.num_held == 0
 
 
-def test_priority_scheduler_serves_lower_values_first(ckpt):
-    llm = LLM(model=ckpt, max_num_seqs=1, **{"engine.scheduler": "priority"})
-    prompts = random_prompts((6, 6, 6), seed=17)
-    ids = [llm.engine.add_request(p, GREEDY, priority=prio).request_id for p, prio in zip(prompts, (5, 0, 2))]
-    order = []
-    while llm.engine.has_unfinished():
-        order += [o.request_id for o in llm.engine.step() if o.finished]
-    assert order == [ids[1], ids[2], ids[0]]
-    fcfs = LLM(model=ckpt, max_num_seqs=1)
-    ids = [fcfs.engine.add_request(p, GREEDY, priority=prio).request_id for p, prio in zip(prompts, (5, 0, 2))]
-    order = []
-    while fcfs.engine.has_unfinished():
-        order += [o.request_id for o in fcfs.engine.step() if o.finished]
-    assert order == ids
-
-
 def test_session_keeps_the_conversation_hot(ckpt):
     llm = LLM(model=ckpt, block_size=8, **{"cache.session_ttl_s": 0.5})
     pool = llm.engine.rt.pool
@@ -167,17 +107,3 @@ def test_session_keeps_the_conversation_hot(ckpt):
     time.sleep(0.6)
     llm.engine.rt.scheduler.schedule()  # each step first expires old sessions
     assert pool.is_empty()
-
-
-def test_unknown_kv_policy_lists_known(ckpt):
-    with pytest.raises(ConfigError) as exc:
-        LLM(model=ckpt, **{"cache.kv_policy": "mru"})
-    assert "mru" in str(exc.value) and "lru" in str(exc.value) and "lfu" in str(exc.value)
-
-
-def test_lfu_policy_runs_end_to_end(ckpt, fresh):
-    llm = LLM(model=ckpt, block_size=8, num_blocks=16, **{"cache.kv_policy": "lfu"})
-    prompts = random_prompts((30, 50, 30), seed=19)
-    outs = llm.generate(prompts, GREEDY)
-    assert [o.token_ids for o in outs] == [fresh(p) for p in prompts]
-    assert llm.engine.rt.pool.is_empty()

@@ -1,0 +1,141 @@
+"""Step-level stages only transform the step context; the engine's postprocess owns the bookkeeping. So
+plugin stages that replace or wrap ``sample`` and ``emit`` (or leave ``emit`` out) cannot break
+scheduling: requests still advance, finish at their limits and give every block back."""
+
+from __future__ import annotations
+
+import pytest
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.engine.request import Emission, Sample
+from litellm_pipeline.registry import register
+from litellm_pipeline.stages.base import Stage
+from litellm_pipeline.stages.emit import Emit
+
+ORDER = "pipeline.order=[admit,select_tier,route,prefill,decode,{rest}]"
+
+
+@register("stage", "test_constant_sample")
+class ConstantSample(Stage):
+    """A sampler stage of its own: always the same token, no logprobs."""
+
+    inputs = ("sample_requests",)
+    outputs = ("samples",)
+
+    def __init__(self, rt, token: int = 65):
+        super().__init__(rt)
+        self.token = token
+
+    def __call__(self, ctx) -> None:
+        ctx.samples = [Sample(r, self.token, None) for r in ctx.sample_requests]
+
+
+@register("stage", "test_never_finish_emit")
+class NeverFinishEmit(Emit):
+    """Wraps the built-in emit but never asks to finish anything."""
+
+    def __call__(self, ctx) -> None:
+        super().__call__(ctx)
+        ctx.emissions = [Emission(e.request, e.delta_text, None) for e in ctx.emissions]
+
+
+@register("stage", "test_failing_once")
+class FailingOnce(Stage):
+    """Raises in the first step it sees (after the forward), then passes everything through."""
+
+    inputs = ("samples",)
+    outputs = ("samples",)
+    failed = False
+
+    def __call__(self, ctx) -> None:
+        if not type(self).failed:
+            type(self).failed = True
+            raise RuntimeError("plugin stage failed")
+
+
+@pytest.fixture(scope="module")
+def path(hf_checkpoint):
+    return str(hf_checkpoint("llama"))
+
+
+def _stage(name: str, impl: str, params: str = "{}") -> str:
+    return f"+pipeline.stages.{name}={{impl: {impl}, params: {params}}}"
+
+
+def _run_all(llm: LLM, prompts, params):
+    reqs = [llm.engine.add_request(p, params) for p in prompts]
+    steps = 0
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+        steps += 1
+        assert steps < 500, "the engine stopped making progress"
+    return reqs
+
+
+def test_replaced_sample_and_no_emit_still_finish_and_free(path):
+    llm = LLM(
+        model=path,
+        overrides=[_stage("mine", "test_constant_sample", "{token: 66}"), ORDER.format(rest="mine"),
+                   "~pipeline.stages.sample", "~pipeline.stages.emit"],
+        block_size=4, num_blocks=32,
+    )
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    reqs = _run_all(llm, [[1, 2, 3], list(range(3, 20)), [9] * 30], params)
+    for r in reqs:
+        assert r.output_ids == [66] * 7 and r.finish_reason == "length" and r.finished
+        assert r.num_computed == r.num_tokens - 1  # the last token is sampled, never fed back
+    assert llm.engine.rt.pool.is_empty() and not llm.engine.requests
+
+
+def test_engine_stops_on_eos_and_stop_ids_without_an_emit_stage(path):
+    llm = LLM(
+        model=path,
+        overrides=[_stage("mine", "test_constant_sample", "{token: 1}"), ORDER.format(rest="mine"),
+                   "~pipeline.stages.sample", "~pipeline.stages.emit"],
+    )
+    eos = sorted(llm.engine.rt.eos_token_ids)[0]
+    assert eos == 1
+    (r,) = _run_all(llm, [[5, 6, 7]], SamplingParams(max_tokens=7))
+    assert r.output_ids == [1] and r.finish_reason == "stop"
+    (r,) = _run_all(llm, [[5, 6, 7]], SamplingParams(max_tokens=7, ignore_eos=True, stop_token_ids=[1]))
+    assert r.output_ids == [1] and r.finish_reason == "stop"
+    assert llm.engine.rt.pool.is_empty()
+
+
+def test_emit_that_never_finishes_cannot_overrun_the_limits(path):
+    base = LLM(model=path)
+    llm = LLM(model=path, overrides=["pipeline.stages.emit.impl=test_never_finish_emit"], max_model_len=40)
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3], list(range(4, 36))]
+    reqs = _run_all(llm, prompts, params)
+    assert reqs[0].finish_reason == "length" and len(reqs[0].output_ids) == 9
+    assert reqs[1].finish_reason == "length" and reqs[1].num_tokens == 40  # the context, not max_tokens
+    assert reqs[0].output_ids == base.generate(prompts[0], params)[0].token_ids
+    assert llm.engine.rt.pool.is_empty()
+
+
+def test_a_failing_step_leaves_no_bookkeeping_behind(path):
+    """The stage raises after the forward: nothing was advanced, so the next steps produce exactly the
+    output of an engine that never failed."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 30))]
+    ref = [o.token_ids for o in LLM(model=path).generate(prompts, params)]
+    FailingOnce.failed = False
+    llm = LLM(model=path, overrides=[_stage("boom", "test_failing_once"),
+                                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,boom,emit]"])
+    reqs = [llm.engine.add_request(p, params) for p in prompts]
+    with pytest.raises(RuntimeError, match="plugin stage failed"):
+        llm.engine.step()
+    assert all(r.num_computed == 0 and not r.output_ids for r in reqs)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert [r.output_ids for r in reqs] == ref
+    assert llm.engine.rt.pool.is_empty()
+
+
+def test_a_graph_without_samples_is_a_config_error(path):
+    from litellm_pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no stage produces 'samples'"):
+        LLM(model=path, overrides=["pipeline.order=[admit,select_tier,route,prefill,decode]",
+                                   "~pipeline.stages.sample", "~pipeline.stages.emit"])
