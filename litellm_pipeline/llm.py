@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from litellm_pipeline.builder import build_engine
 from litellm_pipeline.engine.request import Request, RequestOutput, request_output
+from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.hydra_config import compose
 from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
@@ -85,9 +86,11 @@ class LLM:
         else:
             plist_params = list(params)
             if len(plist_params) != len(plist):
-                raise ValueError(f"got {len(plist)} prompts but {len(plist_params)} SamplingParams")
+                raise InvalidRequestError(
+                    "params", f"got {len(plist)} prompts but {len(plist_params)} SamplingParams"
+                )
         if "request_id" in fields and len(plist) > 1:
-            raise ValueError("request_id: one id cannot name several prompts (give each a RequestSpec)")
+            raise InvalidRequestError("request_id", "one id cannot name several prompts (give each a RequestSpec)")
         specs = [to_spec(p, sp, **fields) for p, sp in zip(plist, plist_params)]
         reqs = []
         try:

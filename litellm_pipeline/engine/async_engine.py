@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.request import RequestOutput
-from litellm_pipeline.errors import InternalError, InvalidRequestError
+from litellm_pipeline.errors import InternalError, InvalidRequestError, OverloadedError
 from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
 
@@ -74,7 +74,7 @@ class AsyncEngine:
             self._thread = None
         with self._lock:
             left = list(self._streams)
-        self._fail(left, lambda rid: RuntimeError(f"request {rid!r} aborted: the AsyncEngine was shut down"))
+        self._fail(left, lambda rid: OverloadedError(f"request {rid!r} aborted: the AsyncEngine was shut down"))
 
     async def __aenter__(self) -> AsyncEngine:
         self.start()
@@ -96,7 +96,7 @@ class AsyncEngine:
         A failed engine step raises :class:`EngineStepError`.
         """
         if not self.running:
-            raise RuntimeError("AsyncEngine is not running: call start() or use 'async with'")
+            raise OverloadedError("AsyncEngine is not running: call start() or use 'async with'")
         spec = to_spec(prompt, params, **fields)
         if spec.request_id is None:
             spec = spec.replace(request_id=f"async-{next(_ids)}")

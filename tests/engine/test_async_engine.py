@@ -14,6 +14,7 @@ from _engine_util import assert_pool_empty, greedy
 from hf_models import random_prompts
 
 from litellm_pipeline.engine.async_engine import AsyncEngine, EngineStepError
+from litellm_pipeline.errors import OverloadedError
 
 
 def run(coro, timeout: float = 60.0):
@@ -168,7 +169,7 @@ def test_step_failure_fails_in_flight_and_loop_survives(llama, monkeypatch):
             await asyncio.gather(*(e.wait() for e in seen))
             armed.append(True)
             for t in tasks:
-                with pytest.raises(EngineStepError, match="RuntimeError: injected fault"):
+                with pytest.raises(EngineStepError, match=r"RuntimeError: injected fault \(error id \w{12}\)"):
                     await t
             assert not armed and aeng.running
             await until_pool_empty(llama)
@@ -195,6 +196,7 @@ def test_idle_loop_sleeps_and_shutdown_stops_thread(llama, monkeypatch):
     async def after():
         return await collect(aeng, [5, 6, 7], greedy(2))
 
-    with pytest.raises(RuntimeError, match="not running"):
+    with pytest.raises(OverloadedError, match="not running") as info:
         run(after())
+    assert info.value.status_code == 503
     assert_pool_empty(llama)
