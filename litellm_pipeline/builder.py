@@ -14,7 +14,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from litellm_pipeline import registry
-from litellm_pipeline.config_schema import AppConfig, PipelineSection, TierSection, validate_config
+from litellm_pipeline.config_schema import AppConfig, PipelineSection, validate_config
 from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine

@@ -151,7 +151,7 @@ class AsyncEngine:
                 error_id = InternalError("engine step failed").error_id
                 log.exception("engine step failed (error id %s); failing %d request(s) in flight", error_id,
                               len(in_flight))
-                self._fail(in_flight, lambda rid: self._step_error(rid, exc, error_id))
+                self._fail(in_flight, lambda rid, exc=exc: self._step_error(rid, exc, error_id))
                 continue
             self._deliver(outs)
             if not outs:
