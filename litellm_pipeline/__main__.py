@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.errors import ConfigError, InvalidValueError, RequestError
 from litellm_pipeline.hydra_config import hydra_main
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """What a user can cause (a config, a checkpoint, a tokenizer, a request): one line, not a traceback."""
+    from litellm_pipeline.model.config import CheckpointError
+    from litellm_pipeline.tokenizer import TokenizerError
+
+    return ConfigError, CheckpointError, TokenizerError, RequestError, InvalidValueError
 
 
 def _task(cfg):
@@ -13,7 +22,9 @@ def _task(cfg):
 
     try:
         return run_task(cfg)
-    except ConfigError as exc:  # a clear message, not a traceback, for a config the user got wrong
+    except expected_errors() as exc:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
 

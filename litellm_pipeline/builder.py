@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 from typing import Any, Mapping
 
 import torch
@@ -61,6 +62,35 @@ def resolve_max_model_len(mc: ModelConfig, asked: int | None) -> int:
             f"(max_position_embeddings {mc.max_position_embeddings}, rope {mc.rope.get('rope_type')})"
         )
     return asked
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory an allocation can still get on ``device`` (None where it cannot be read)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(key: str, num_blocks: int, block_bytes: int, device: torch.device) -> None:
+    """Refuse a KV cache larger than the free memory of its device, before trying to allocate it."""
+    need = num_blocks * block_bytes
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise ConfigError(
+            f"{key}: {num_blocks} blocks of {block_bytes / 2**20:.2f} MiB need {need / 2**30:.1f} GiB but "
+            f"{device.type} memory has {free / 2**30:.1f} GiB free; lower {key} (or leave it null and set "
+            "cache.memory_gb)"
+        )
 
 
 def stage_classes(pipeline: PipelineSection) -> list[tuple[str, type, dict]]:
@@ -155,11 +185,14 @@ def build_from_app(app: AppConfig) -> Engine:
         bus = build_bus([(name, app.telemetry.params.get(name, {})) for name, _ in sinks])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"telemetry.params: {exc}") from exc
-    pool = BlockPool(num_blocks, policy=policy_cls())
-    hot_kv = allocate_kv_cache(mc, num_blocks, bs, dtype, device)
+    block_bytes = kv_bytes_per_block(mc, bs, dtype)
     warm_blocks = app.cache.warm_blocks
     if warm_blocks is None:
-        warm_blocks = int(app.cache.warm_memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
+        warm_blocks = int(app.cache.warm_memory_gb * 2**30 // block_bytes)
+    check_fits("cache.num_blocks", num_blocks, block_bytes, device)
+    check_fits("cache.warm_blocks", warm_blocks, block_bytes, torch.device("cpu"))
+    pool = BlockPool(num_blocks, policy=policy_cls())
+    hot_kv = allocate_kv_cache(mc, num_blocks, bs, dtype, device)
     warm = None
     if warm_blocks > 0:
         warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda")
@@ -197,7 +230,7 @@ def build_from_app(app: AppConfig) -> Engine:
     for name, cls, params in classes:
         try:
             stage = cls(rt, **params)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, registry.RegistryError) as exc:
             raise ConfigError(f"pipeline.stages.{name}.params: {exc}") from exc
         (request_stages if cls.level == "request" else step_stages).append(stage)
     return Engine(rt, request_stages, step_stages)

@@ -144,7 +144,8 @@ class InternalError(RequestError, RuntimeError):
 
     def __init__(self, message: str, error_id: str | None = None) -> None:
         self.error_id = error_id or uuid.uuid4().hex[:12]
-        super().__init__(f"{message} (error id {self.error_id})")
+        suffix = f" (error id {self.error_id})"
+        super().__init__(message if message.endswith(suffix) else message + suffix)
 
 
 def range_message(lo: Any = None, hi: Any = None, *, lo_open: bool = False, hi_open: bool = False) -> str:

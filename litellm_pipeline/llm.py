@@ -78,7 +78,8 @@ class LLM:
         A prompt is text, token ids or a whole :class:`RequestSpec`; ``params`` is one SamplingParams for all
         or one per prompt; keyword ``fields`` (``tier``, ``budget``, ``tenant``, ``priority``,
         ``session_id``, ...) are RequestSpec fields applied to every prompt. Any rejected prompt rejects the
-        call and leaves nothing behind.
+        call and leaves nothing behind. A request that fails inside the engine comes back with
+        ``finish_reason="error"`` and ``error`` set; the others are unaffected.
         """
         plist = [prompts] if _is_single(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
@@ -123,7 +124,8 @@ class LLM:
     ) -> Iterator[StreamDelta]:
         """Yield text deltas as tokens are made; closing the iterator early aborts the request.
 
-        ``prompt`` and keyword ``fields`` as in :meth:`generate` (one request)."""
+        ``prompt`` and keyword ``fields`` as in :meth:`generate` (one request). A request that fails inside
+        the engine raises :class:`InternalError`."""
         req = self.engine.add_request(to_spec(prompt, params, **fields))
         self._watch(req)
         done = False
@@ -131,6 +133,7 @@ class LLM:
             while not done:
                 for out in self._outputs_of(req):
                     done = out.finished
+                    out.raise_error()
                     if out.delta_text or out.delta_token_ids or done:
                         yield StreamDelta(out.delta_text, out.delta_token_ids, out.finish_reason)
         finally:

@@ -19,6 +19,7 @@ Lookups happen only while the pipeline is built, never on the per-token path.
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 import warnings
 from importlib import metadata
@@ -65,6 +66,41 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.engine.kv_policy",
     "litellm_pipeline.stages",
 )
+
+
+# What an entry of each kind must look like, checked before an import string's object (or a lazily loaded
+# entry point) is ever called: a class with these methods / attributes, or a plain function taking this many
+# positional parameters. Config is trusted code, but a typo (or "os:system") must not run something else.
+_CLASS_SHAPES: dict[str, tuple[str, ...]] = {
+    "stage": ("level", "inputs", "outputs", "__call__"),
+    "layer_ops": ("linear", "rms_norm", "add_rms_norm", "silu_mul", "rotary", "route"),
+    "router": ("plan",),
+    "sampler": ("__call__",),
+    "kv_policy": ("add", "remove", "hit", "forget", "pop", "__len__", "__contains__"),
+    "budget_solver": (),
+    "scheduler": ("add", "schedule", "finish", "has_unfinished"),
+    "telemetry": ("publish",),
+}
+_FUNCTION_ARITY: dict[str, int] = {"attention": 8, "moe_dispatch": 6}
+
+
+def check_shape(kind: str, name: str, obj: Any) -> None:
+    """Raise :class:`RegistryError` unless ``obj`` has the shape of a ``kind`` entry (see ``_CLASS_SHAPES``)."""
+    what = f"{kind} {name!r} resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
+    if kind in _FUNCTION_ARITY:
+        n = _FUNCTION_ARITY[kind]
+        if not inspect.isfunction(obj):
+            raise RegistryError(f"{what}, which is not a Python function (a {kind} is a function of {n} arguments)")
+        try:
+            inspect.signature(obj).bind(*range(n))
+        except TypeError as exc:
+            raise RegistryError(f"{what}, which cannot take the {n} arguments of a {kind} ({exc})") from None
+        return
+    if not inspect.isclass(obj):
+        raise RegistryError(f"{what}, which is not a class (a {kind} entry is a class)")
+    missing = [m for m in _CLASS_SHAPES.get(kind, ()) if not hasattr(obj, m)]
+    if missing:
+        raise RegistryError(f"{what}, which lacks {', '.join(missing)} (needed by every {kind})")
 
 
 def _check_kind(kind: str) -> None:
@@ -170,6 +206,7 @@ def get(kind: str, name: str) -> Any:
             ep = _lazy[kind].pop(name)
             try:
                 obj = ep.load()
+                check_shape(kind, name, obj)
             except Exception as exc:
                 _broken[ep.name] = f"{type(exc).__name__}: {exc}"
                 raise RegistryError(f"{kind} {name!r} comes from plugin {ep.value!r}, which failed to load: {exc}") from exc
@@ -181,6 +218,7 @@ def get(kind: str, name: str) -> Any:
             obj = getattr(importlib.import_module(mod_name), attr)
         except Exception as exc:  # any import-time failure becomes one error naming the entry
             raise RegistryError(f"{kind} {name!r}: cannot import {attr!r} from {mod_name!r}: {exc}") from exc
+        check_shape(kind, name, obj)
         return obj
     known = names(kind)
     msg = f"unknown {kind} {name!r}; known {kind} names: {', '.join(known) or '(none)'}"

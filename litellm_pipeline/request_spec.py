@@ -35,11 +35,14 @@ def _check_prompt(prompt: Any) -> str | tuple[int, ...]:
 
 
 def _check_model(name: str, cls: type, value: Any) -> Any:
-    if value is None or isinstance(value, cls):
+    if value is None:
         return value
+    if isinstance(value, cls):
+        # validated again: pydantic's model_construct (or a copy) can make an instance that never was
+        value = value.model_dump()
     if isinstance(value, Mapping):
         try:
-            return cls.model_validate(dict(value)) if cls is SamplingParams else cls(**value)
+            return cls.model_validate(dict(value))
         except InvalidValueError as exc:
             lines = str(exc).splitlines()
             raise InvalidRequestError(name, "; ".join(lines)) from None

@@ -246,6 +246,15 @@ class IncrementalDetokenizer:
         """Emit whatever is held back (an incomplete trailing character) once generation has ended."""
         return self._emit(final=True)
 
+    def checkpoint(self) -> tuple[int, int, int, int]:
+        """The streaming state, to :meth:`rollback` to if the step that adds tokens is undone."""
+        return len(self.output_ids), len(self.text), self._prefix_offset, self._read_offset
+
+    def rollback(self, cp: tuple[int, int, int, int]) -> None:
+        n, t, self._prefix_offset, self._read_offset = cp
+        del self.output_ids[n:]
+        self.text = self.text[:t]
+
     def _emit(self, final: bool) -> str:
         ids = self.output_ids
         prefix_text = self._tok.decode(ids[self._prefix_offset:self._read_offset], self._skip)

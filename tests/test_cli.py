@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -72,3 +73,48 @@ def test_multirun_sweeps_tiers(hf_checkpoint, tmp_path):
                    "pipeline.stages.select_tier.params.tier=fast,max", cwd=tmp_path)
     tiers = [row[3] for row in SUMMARY.findall(proc.stdout)]
     assert tiers == ["fast", "max"]
+
+
+def _broken_checkpoint(src, dst, what: str):
+    import shutil
+
+    shutil.copytree(src, dst)
+    if what == "corrupt_config":
+        (dst / "config.json").write_text("{ not json")
+    elif what in ("zero_heads", "bad_type"):
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update({"num_attention_heads": 0} if what == "zero_heads" else {"num_hidden_layers": "four"})
+        (dst / "config.json").write_text(json.dumps(cfg))
+    elif what == "truncated_weights":
+        f = dst / "model.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    elif what == "no_tokenizer":
+        (dst / "tokenizer.json").unlink()
+    return dst
+
+
+@pytest.mark.parametrize(
+    "what, text",
+    [
+        ("missing", "checkpoint directory not found"),
+        ("corrupt_config", "corrupt JSON in"),
+        ("zero_heads", "num_attention_heads = 0 (must be >= 1)"),
+        ("bad_type", "malformed LlamaForCausalLM config (ValueError: invalid literal for int()"),
+        ("truncated_weights", "corrupt safetensors file"),
+        ("no_tokenizer", "tokenizer file not found"),
+    ],
+)
+def test_broken_checkpoint_is_one_line_and_exit_2(hf_checkpoint, tmp_path, what, text):
+    path = tmp_path / "nowhere" if what == "missing" else _broken_checkpoint(hf_checkpoint("llama"), tmp_path / "ck", what)
+    proc = run_cli("+recipe=generate", f"model.path={path}", cwd=tmp_path, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and text in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]) == 1
+
+
+def test_full_error_env_shows_the_traceback(tmp_path):
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=generate", f"model.path={tmp_path / 'nowhere'}",
+           f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "CheckpointError" in proc.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from litellm_pipeline import LLM
 from litellm_pipeline.builder import build_engine
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.hydra_config import compose
@@ -130,3 +131,11 @@ def test_tier_spellings_resolve_against_the_checkpoint(hf_checkpoint):
     specs = {"a": 1, "b": "native", "c": "2x", "d": "3x", "e": "all"}
     tiers = resolve_tiers({k: TierSection(experts_per_token=v) for k, v in specs.items()}, mc)
     assert [tiers[k].experts_per_token for k in "abcde"] == [1, 2, 4, 4, 4]
+
+
+@pytest.mark.parametrize("key, value", [("num_blocks", 10**13), ("num_blocks", 10**8), ("cache.warm_blocks", 10**12)])
+def test_kv_cache_larger_than_free_memory_is_refused_before_allocating(hf_checkpoint, key, value):
+    with pytest.raises(ConfigError) as exc:
+        LLM(model=str(hf_checkpoint("llama")), **{key: value})
+    msg = str(exc.value)
+    assert msg.startswith(f"cache.{key.split('.')[-1]}: {value} blocks") and "GiB free" in msg

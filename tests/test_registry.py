@@ -185,7 +185,9 @@ def test_import_string_lookup(fresh_registry):
 
 
 def test_import_string_from_any_module(fresh_registry, tmp_path, monkeypatch):
-    (tmp_path / "fake_attr_mod.py").write_text("class MyStage:\n    level = 'step'\n")
+    (tmp_path / "fake_attr_mod.py").write_text(
+        "class MyStage:\n    level = 'step'\n    inputs = ()\n    outputs = ()\n    def __call__(self, ctx): pass\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     obj = registry.get("stage", "fake_attr_mod:MyStage")
     assert obj.__name__ == "MyStage" and obj.__module__ == "fake_attr_mod"
@@ -196,6 +198,36 @@ def test_bad_import_string_is_a_registry_error(fresh_registry, name):
     with pytest.raises(RegistryError, match=name.split(":")[0]) as exc:
         registry.get("sampler", name)
     assert "cannot import" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "kind, name, text",
+    [
+        ("sampler", "os:system", "is not a class"),
+        ("stage", "os:getcwd", "is not a class"),
+        ("kv_policy", "collections:OrderedDict", "lacks add, remove, hit, forget"),
+        ("stage", "litellm_pipeline.sampling.samplers:GreedySampler", "lacks level, inputs, outputs"),
+        ("attention", "os:system", "is not a Python function"),
+        ("attention", "litellm_pipeline.sampling.samplers:apply_penalties", "cannot take the 8 arguments"),
+        ("telemetry", "litellm_pipeline.telemetry.events:StepFinished", "lacks publish"),
+    ],
+)
+def test_import_string_must_have_the_shape_of_its_kind(fresh_registry, kind, name, text):
+    with pytest.raises(RegistryError, match=text) as exc:
+        registry.get(kind, name)
+    assert name.split(":")[1] in str(exc.value)
+
+
+def test_shell_command_in_config_never_runs(hf_checkpoint, tmp_path):
+    from litellm_pipeline import LLM
+    from litellm_pipeline.errors import ConfigError
+
+    marker = tmp_path / "ran"
+    with pytest.raises(ConfigError, match="is not a class"):
+        LLM(model=str(hf_checkpoint("llama")), overrides=[
+            "pipeline.stages.sample.params.sampler=os:system", f"+pipeline.stages.sample.params.command='touch {marker}'"
+        ])
+    assert not marker.exists()
 
 
 # -- entry-point plugins ---------------------------------------------------------------------------------

@@ -118,6 +118,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise item  # the finally still aborts: the error may have raced our add_request
                 done = item.finished
+                if item.error is not None:
+                    raise EngineStepError(item.error, error_id=item.error_id)
                 yield item
         finally:
             with self._lock:

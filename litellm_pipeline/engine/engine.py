@@ -13,6 +13,7 @@ commits, appended tokens, finishing and freeing.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -21,7 +22,7 @@ import torch
 
 from litellm_pipeline.engine.request import Request, RequestOutput, RequestStatus, request_output
 from litellm_pipeline.engine.runtime import Runtime
-from litellm_pipeline.errors import InvalidRequestError
+from litellm_pipeline.errors import InternalError, InvalidRequestError
 from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.stages.base import RequestContext, Stage, StepContext
@@ -35,6 +36,8 @@ from litellm_pipeline.telemetry import (
     StepFinished,
 )
 from litellm_pipeline.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -102,20 +105,80 @@ class Engine:
 
     # ---- step path ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine step over every running request; returns the deltas it produced."""
+        """One engine step over every running request; returns the deltas it produced.
+
+        A step always makes progress or says why: if its stages raise, the requests it held are retried one
+        by one and only those that fail alone are finished with an error (``finish_reason="error"``); a
+        request that can never be scheduled is finished with an error naming the blocks it needs.
+        """
         with self._lock, torch.inference_mode():
             t0 = time.perf_counter() if self.bus.enabled else 0.0
             schedule = self.rt.scheduler.schedule()
             if not schedule:
-                return []
+                return self._unblock()
             schedule.sort(key=lambda e: e[1] == 1)  # row order: prompt chunks first, then decodes
-            ctx = StepContext(schedule, self.rt.kv.step_layout(schedule))
-            for stage in self.step_stages:
-                stage(ctx)
-            outputs = self._postprocess(ctx)
+            try:
+                outputs = self._run(schedule)
+            except Exception as exc:
+                outputs = self._isolate(schedule, exc)
             if self.bus.enabled:
                 self._publish_step(schedule, t0)
             return outputs
+
+    def _run(self, schedule: list[tuple[Request, int]]) -> list[RequestOutput]:
+        """The step stages over ``schedule`` and the postprocess; if a stage raises, the requests' sampling
+        and text state is put back as it was (nothing else was advanced) and the error propagates."""
+        undo = [
+            (r, r.generator.get_state() if r.generator is not None else None, r.detokenizer.checkpoint(),
+             len(r.text), r.emitted_chars)
+            for r, n in schedule
+            if r.num_computed + n == r.num_tokens  # it samples this step
+        ]
+        ctx = StepContext(schedule, self.rt.kv.step_layout(schedule))
+        try:
+            for stage in self.step_stages:
+                stage(ctx)
+        except Exception:
+            for r, gen_state, detok, text_len, emitted in undo:
+                if gen_state is not None:
+                    r.generator.set_state(gen_state)
+                r.detokenizer.rollback(detok)
+                r.text, r.emitted_chars = r.text[:text_len], emitted
+            raise
+        return self._postprocess(ctx)
+
+    def _isolate(self, schedule: list[tuple[Request, int]], exc: Exception) -> list[RequestOutput]:
+        """A step raised: run each request of it alone; the ones that still fail end with the error."""
+        if len(schedule) == 1:
+            return [self._fail(schedule[0][0], exc)]
+        outputs = []
+        for entry in schedule:
+            try:
+                outputs += self._run([entry])
+            except Exception as alone_exc:
+                outputs.append(self._fail(entry[0], alone_exc))
+        return outputs
+
+    def _fail(self, req: Request, why: BaseException | str) -> RequestOutput:
+        """Finish a request with an error (its blocks freed); the output carries the message and its id."""
+        if isinstance(why, BaseException):
+            err = InternalError(f"request {req.request_id!r} failed: {type(why).__name__}: {why}")
+            log.error("%s", err, exc_info=why)
+        else:
+            err = InternalError(why)
+            log.error("%s", err)
+        self._finish(req, "error", time.monotonic())
+        out = request_output(req)
+        out.error, out.error_id = str(err), err.error_id
+        return out
+
+    def _unblock(self) -> list[RequestOutput]:
+        """Nothing could be scheduled: if that can never change, end the request that blocks the queue."""
+        blocked = self.rt.scheduler.blocked()
+        if blocked is None:
+            return []
+        req, why = blocked
+        return [self._fail(req, f"request {req.request_id!r} {why}")]
 
     def _postprocess(self, ctx: StepContext) -> list[RequestOutput]:
         """The bookkeeping of a step, whatever its stages did: computed tokens and KV commits for every

@@ -295,6 +295,13 @@ class KVCacheManager:
         for sid in [s for s, (_, exp) in self.sessions.items() if exp <= now]:
             self.end_session(sid)
 
+    def release_sessions(self, num_blocks: int) -> bool:
+        """End pinned sessions, least recently used first, until ``num_blocks`` hot blocks can be allocated;
+        True if they can."""
+        while not self.hot.can_allocate(num_blocks) and self.sessions:
+            self.end_session(next(iter(self.sessions)))
+        return self.hot.can_allocate(num_blocks)
+
     def touch_session(self, session_id: str) -> None:
         if session_id in self.sessions:
             self.sessions.move_to_end(session_id)

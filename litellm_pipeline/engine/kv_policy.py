@@ -67,6 +67,10 @@ class LFUPolicy:
         key = (self._hits.get(block, 0), next(self._tick))
         self._live[block] = key
         heapq.heappush(self._heap, (*key, block))
+        if len(self._heap) > 2 * len(self._live) + 16:
+            # stale entries (blocks removed by a prefix hit) would otherwise pile up without bound
+            self._heap = [(*k, b) for b, k in self._live.items()]
+            heapq.heapify(self._heap)
 
     def remove(self, block: int) -> None:
         self._live.pop(block, None)

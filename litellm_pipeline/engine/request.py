@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from litellm_pipeline.errors import InternalError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.tiers import BudgetSpec, TierSet
@@ -132,7 +133,13 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     tier: str | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # set when the request failed (finish_reason "error")
+    error_id: str | None = None  # the id of that failure in the log
+
+    def raise_error(self) -> None:
+        """Raise the request's failure as an :class:`InternalError` (no-op if it did not fail)."""
+        if self.error is not None:
+            raise InternalError(self.error, error_id=self.error_id)
 
 
 def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | None = None) -> RequestOutput:

@@ -82,13 +82,36 @@ class FcfsScheduler:
             self.bus.publish(RequestPreempted(req.request_id, mode))
         self.requeue(req)
 
-    def _start(self, req: Request) -> bool:
-        """Bring a waiting request's KV into the hot pool: swapped blocks back, or its cached prefix."""
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Grow a request's blocks; pinned sessions give way (least recently used first) before it fails."""
+        return self.kv.grow(req, num_tokens) or (
+            self.kv.release_sessions(self.kv.blocks_needed(req, num_tokens)) and self.kv.grow(req, num_tokens)
+        )
+
+    def _start(self, req: Request, budget: int) -> int:
+        """Bring a waiting request's KV into the hot pool (its swapped blocks, or its cached prefix) and grow
+        it for its next chunk; returns the chunk's tokens, or 0 (then it holds no hot block).
+
+        A swapped request is swapped in only when the whole chunk fits, so a waiting request never sits on
+        blocks it cannot use."""
         if req.swapped_slots is not None:
-            return self.kv.swap_in(req)
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = blocks_for(req.num_computed + n, self.block_size)
+            if not (self.kv.hot.can_allocate(need) or self.kv.release_sessions(need)):
+                return 0
+            self.kv.swap_in(req)
+            self.kv.grow(req, req.num_computed + n)
+            return n
+        if req.session_id is not None:
+            self.kv.touch_session(req.session_id)
         if not req.block_ids:
             req.num_computed = self.kv.acquire_prefix(req)
-        return True
+        n = min(req.num_tokens - req.num_computed, budget)
+        if not self._grow(req, req.num_computed + n):
+            self.kv.free(req)  # do not sit on cached prefix blocks while waiting
+            req.num_computed = 0
+            return 0
+        return n
 
     def schedule(self) -> list[tuple[Request, int]]:
         self.kv.expire_sessions()
@@ -99,7 +122,7 @@ class FcfsScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            while not self.kv.grow(req, req.num_computed + n):
+            while not self._grow(req, req.num_computed + n):
                 victim = self.victim()
                 self.preempt(victim)
                 preempted = True
@@ -112,13 +135,8 @@ class FcfsScheduler:
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if not self._start(req):
-                break
-            n = min(req.num_tokens - req.num_computed, budget)
-            if not self.kv.grow(req, req.num_computed + n):
-                if req.num_preemptions == 0 or self.preemption == "recompute":
-                    self.kv.free(req)  # do not sit on cached prefix blocks while waiting
-                    req.num_computed = 0
+            n = self._start(req, budget)
+            if not n:
                 break
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
@@ -129,6 +147,18 @@ class FcfsScheduler:
             budget -= n
         return plan
 
+    def blocked(self) -> tuple[Request, str] | None:
+        """When nothing can be scheduled although requests wait and none runs: the first waiting request and
+        why it can never start (every other block is free or evictable, so it would not fit later either)."""
+        if self.running or not self.waiting:
+            return None
+        req = self.waiting[0]
+        need = blocks_for(req.num_tokens, self.block_size)
+        return req, (
+            f"cannot be scheduled: it needs {need} KV blocks for its {req.num_tokens} tokens but only "
+            f"{self.kv.hot.num_free} of {self.kv.hot.num_blocks} can be freed"
+        )
+
     def finish(self, req: Request) -> None:
         """Take a finished or aborted request out and give its blocks back (pinning a session's prefix)."""
         if req in self.running:
@@ -136,7 +166,7 @@ class FcfsScheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.commit(req)
-        if req.session_id is not None and req.finish_reason not in (None, "abort"):
+        if req.session_id is not None and req.finish_reason not in (None, "abort", "error"):
             self.kv.pin_session(req.session_id, req)
         self.kv.free(req)
 

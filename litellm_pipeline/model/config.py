@@ -74,9 +74,36 @@ class ModelConfig:
             )
         family = SUPPORTED_ARCHITECTURES[arch]
         try:
-            return cls._parse(cfg, arch, family)
+            mc = cls._parse(cfg, arch, family)
         except KeyError as exc:
             raise CheckpointError(f"{source}: required key {exc.args[0]!r} is missing for {arch}") from exc
+        except (TypeError, ValueError, ZeroDivisionError, IndexError, AttributeError) as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointError(f"{source}: malformed {arch} config ({type(exc).__name__}: {exc})") from exc
+        mc._check_sizes(source)
+        return mc
+
+    def _check_sizes(self, source: str) -> None:
+        """Shapes a model can be built with: positive sizes, query heads a multiple of the KV heads, top-k
+        within the experts."""
+        positive = {
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "max_position_embeddings": self.max_position_embeddings,
+        }
+        bad = [f"{k} = {v}" for k, v in positive.items() if v < 1]
+        if bad:
+            raise CheckpointError(f"{source}: {', '.join(bad)} (must be >= 1)")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"{source}: num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads "
+                f"{self.num_kv_heads}"
+            )
+        if self.is_moe and not 1 <= self.experts_per_token <= self.num_experts:
+            raise CheckpointError(
+                f"{source}: num_experts_per_tok {self.experts_per_token} must be in 1..{self.num_experts}"
+            )
 
     @classmethod
     def _parse(cls, cfg: dict, arch: str, family: str) -> "ModelConfig":

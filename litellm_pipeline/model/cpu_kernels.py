@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
-SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / f for f in ("paged_attention.cpp", "layer_ops.cpp"))
+_CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp"))
+HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 NAMESPACE = "litellm_pipeline_cpu"
 
 _lock = threading.Lock()
@@ -57,6 +59,31 @@ def _cpu_key() -> str | None:
     return hashlib.sha1(repr(sorted(lines.items())).encode()).hexdigest()[:10]
 
 
+def _source_key() -> str:
+    """A short hash of the kernel sources: a build is reused only by code compiled from the same sources,
+    so two checkouts (or versions) sharing the cache never rebuild over each other."""
+    h = hashlib.sha1()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:10]
+
+
+def _staged_sources(build_dir: Path) -> list[Path]:
+    """The sources copied into the build folder: the build files then name the same paths whichever
+    checkout asks, so an up-to-date build is found instead of redone."""
+    staged = []
+    for path in (*SOURCES, *HEADERS):
+        dst = build_dir / path.name
+        data = path.read_bytes()
+        if not dst.is_file() or dst.read_bytes() != data:
+            tmp = dst.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)  # atomic: a concurrent build never reads half a file
+        staged.append(dst)
+    return staged[: len(SOURCES)]
+
+
 def build():
     """Compile (or reuse the cached build of) the kernels; returns the op namespace."""
     cxx = os.environ.get("CXX", "c++")
@@ -72,8 +99,9 @@ def build():
     from torch.utils import cpp_extension
 
     key = _cpu_key()
-    builds = ([(f"litellm_cpu_kernels_{key}", ["-march=native"])] if key else []) + [
-        ("litellm_cpu_kernels_generic", [])
+    src = _source_key()
+    builds = ([(f"litellm_cpu_kernels_{key}_{src}", ["-march=native"])] if key else []) + [
+        (f"litellm_cpu_kernels_generic_{src}", [])
     ]
     for i, (name, arch) in enumerate(builds):
         build_dir = extension_dir() / name
@@ -81,7 +109,7 @@ def build():
         try:
             cpp_extension.load(
                 name=name,
-                sources=[str(s) for s in SOURCES],
+                sources=[str(s) for s in _staged_sources(build_dir)],
                 extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *arch],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 
 from litellm_pipeline.errors import ReadableModel, range_message
 
@@ -58,8 +58,13 @@ def _reject_bool(v: Any) -> Any:
     return v
 
 
+# limits that keep one request from stalling the engine (stop strings are searched every step under its lock)
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 1024
+
 _NUM = BeforeValidator(_reject_bool)
-_StopString = Annotated[str, AfterValidator(_non_empty)]
+_StopString = Annotated[str, Field(max_length=MAX_STOP_LENGTH), AfterValidator(_non_empty)]
 _TokenId = Annotated[int, _NUM, _in_range(0)]
 
 
@@ -86,11 +91,17 @@ class SamplingParams(ReadableModel):
     presence_penalty: Annotated[float, _NUM, _in_range(-2, 2)] = 0.0
     frequency_penalty: Annotated[float, _NUM, _in_range(-2, 2)] = 0.0
     seed: Annotated[int | None, _NUM, _in_range(_SEED_MIN, _SEED_MAX)] = None
-    stop: Annotated[list[_StopString], BeforeValidator(_str_to_list)] = []
-    stop_token_ids: list[_TokenId] = []
+    stop: Annotated[list[_StopString], BeforeValidator(_str_to_list), Field(max_length=MAX_STOP_STRINGS)] = []
+    stop_token_ids: Annotated[list[_TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     logprobs: Annotated[int | None, _NUM, _in_range(0, 20)] = None
     skip_special_tokens: bool = True
+
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> "SamplingParams":
+        """A copy; changed fields are validated like the constructor's (pydantic's own copy skips that)."""
+        if update:
+            return type(self).model_validate({**self.model_dump(), **update})
+        return super().model_copy(deep=deep)
 
     @property
     def greedy(self) -> bool:

@@ -59,3 +59,16 @@ def test_lfu_policy_runs_end_to_end(ckpt):
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts, GREEDY)]
     assert llm.engine.rt.pool.is_empty()
+
+
+def test_lfu_heap_stays_bounded_under_reuse():
+    """A block freed, hit and freed again many times leaves stale heap entries; they are compacted."""
+    p = LFUPolicy()
+    for b in (0, 1):
+        p.add(b)
+    for _ in range(300):
+        p.remove(0)  # a prefix hit takes it back...
+        p.hit(0)
+        p.add(0)  # ...and the request frees it again
+    assert len(p._heap) <= 2 * len(p) + 16 + 1
+    assert p.pop() == 1 and p.pop() == 0 and p.pop() is None  # block 1 was never hit

@@ -76,3 +76,33 @@ def test_format_validation_error_nested_paths():
         Outer.model_validate({"items": [{"size": 1}, {"size": 0}], "params": {"top_p": 2}})
     lines = format_validation_error(exc.value, "cfg").splitlines()
     assert lines == ["cfg.items[1].size: must be >= 1 (got 0)", "cfg.params.top_p: must be > 0 and <= 1 (got 2)"]
+
+
+def test_stop_limits_name_the_limit():
+    from litellm_pipeline.sampling.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    with pytest.raises(ValueError, match=rf"^stop: must have at most {MAX_STOP_STRINGS} item"):
+        SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])
+    with pytest.raises(ValueError, match=rf"^stop\[1\]: must have at most {MAX_STOP_LENGTH} character"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_LENGTH + 1)])
+    with pytest.raises(ValueError, match=rf"^stop_token_ids: must have at most {MAX_STOP_TOKEN_IDS} item"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    assert len(SamplingParams(stop=["x" * MAX_STOP_LENGTH] * MAX_STOP_STRINGS).stop) == MAX_STOP_STRINGS
+
+
+def test_model_copy_validates_its_update():
+    p = SamplingParams(max_tokens=4)
+    assert p.model_copy(update={"max_tokens": 9}) == SamplingParams(max_tokens=9)
+    assert p.model_copy() == p
+    with pytest.raises(ValueError, match=r"^logprobs: must be >= 0 and <= 20 \(got 1000\)$"):
+        p.model_copy(update={"logprobs": 1000})
+    with pytest.raises(ValueError, match="nonsense: unknown key"):
+        p.model_copy(update={"nonsense": 1})
+
+
+def test_request_spec_revalidates_params_built_without_validation():
+    from litellm_pipeline import RequestSpec
+    from litellm_pipeline.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=r"^params: logprobs: must be >= 0 and <= 20 \(got 1000\)$"):
+        RequestSpec([1, 2], SamplingParams.model_construct(logprobs=1000))

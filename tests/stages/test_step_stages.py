@@ -8,6 +8,7 @@ import pytest
 
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.engine.request import Emission, Sample
+from litellm_pipeline.errors import InternalError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import Stage
 from litellm_pipeline.stages.emit import Emit
@@ -114,22 +115,51 @@ def test_emit_that_never_finishes_cannot_overrun_the_limits(path):
     assert llm.engine.rt.pool.is_empty()
 
 
-def test_a_failing_step_leaves_no_bookkeeping_behind(path):
-    """The stage raises after the forward: nothing was advanced, so the next steps produce exactly the
-    output of an engine that never failed."""
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+def test_a_step_that_fails_once_is_retried_and_changes_nothing(path):
+    """The stage raises after the forward and sampling: nothing had been advanced, the generators and text
+    are put back, each request is run again alone, and every output equals an engine's that never failed."""
+    params = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=4, ignore_eos=True, stop=["zz"])]
     prompts = [[1, 2, 3, 4, 5], list(range(10, 30))]
-    ref = [o.token_ids for o in LLM(model=path).generate(prompts, params)]
+    ref = LLM(model=path).generate(prompts, params)
     FailingOnce.failed = False
     llm = LLM(model=path, overrides=[_stage("boom", "test_failing_once"),
-                                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,boom,emit]"])
-    reqs = [llm.engine.add_request(p, params) for p in prompts]
-    with pytest.raises(RuntimeError, match="plugin stage failed"):
-        llm.engine.step()
-    assert all(r.num_computed == 0 and not r.output_ids for r in reqs)
-    while llm.engine.has_unfinished():
-        llm.engine.step()
-    assert [r.output_ids for r in reqs] == ref
+                                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,emit,boom]"])
+    outs = llm.generate(prompts, params)
+    assert FailingOnce.failed
+    assert [(o.token_ids, o.text, o.error) for o in outs] == [(o.token_ids, o.text, None) for o in ref]
+    assert llm.engine.rt.pool.is_empty()
+
+
+@register("stage", "test_fail_marked")
+class FailMarked(Stage):
+    """Raises whenever a request whose prompt starts with token 13 is in the step."""
+
+    inputs = ("samples",)
+    outputs = ("samples",)
+
+    def __call__(self, ctx) -> None:
+        for req, _ in ctx.schedule:
+            if req.prompt_ids[0] == 13:
+                raise ValueError(f"marked request {req.request_id}")
+
+
+def test_a_request_that_always_fails_ends_with_an_error_and_the_batch_goes_on(path):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    good = [[1, 2, 3], list(range(20, 40)), [7, 8]]
+    ref = [o.token_ids for o in LLM(model=path).generate(good, params)]
+    llm = LLM(model=path, overrides=[_stage("mark", "test_fail_marked"),
+                                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,mark,emit]"])
+    outs = llm.generate([good[0], [13, 14, 15], good[1], good[2]], params)
+    bad = outs[1]
+    assert bad.finish_reason == "error" and bad.token_ids == []
+    assert "ValueError: marked request" in bad.error and bad.error_id and bad.error.endswith(f"(error id {bad.error_id})")
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == ref
+    assert all(o.error is None and o.finish_reason == "length" for i, o in enumerate(outs) if i != 1)
+    assert llm.engine.rt.pool.is_empty() and not llm.engine.requests
+    with pytest.raises(InternalError, match="marked request") as info:
+        list(llm.stream([13, 1], params))
+    assert info.value.status_code == 500
     assert llm.engine.rt.pool.is_empty()
 
 
