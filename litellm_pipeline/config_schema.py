@@ -120,6 +120,7 @@ class AppConfig(_Section):
     bench: dict[str, Any] | None = None
     train: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
+    faults: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
@@ -81,6 +81,10 @@ class LLM:
         call and leaves nothing behind. A request that fails inside the engine comes back with
         ``finish_reason="error"`` and ``error`` set; the others are unaffected.
         """
+        if isinstance(prompts, (Mapping, bytes)) or not isinstance(prompts, (Sequence, RequestSpec)):
+            raise InvalidRequestError(
+                "prompts", f"must be a prompt or a list of prompts (got {type(prompts).__name__})"
+            )
         plist = [prompts] if _is_single(prompts) else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             plist_params = [params] * len(plist)

@@ -107,3 +107,28 @@ def evaluate(cfg: DictConfig) -> dict:
     from litellm_pipeline.demo.evaluate import run_eval
 
     return run_eval(cfg)
+
+
+@task("faults")
+def faults(cfg: DictConfig) -> dict:
+    """The randomized fault suite (see litellm_pipeline.fault_suite); exits 1 if an invariant broke."""
+    import json
+    import sys
+
+    from litellm_pipeline.builder import to_plain
+    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.fault_suite import fault_settings, run_fault_suite
+
+    plain = to_plain(cfg)
+    result = run_fault_suite(fault_settings(plain.get("faults")), plain["model"].get("path"))
+    path = output_dir() / "faults.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(
+        f"{result['runs']} runs (seed {result['seed']}): {result['admitted']} requests admitted, {result['invalid']} "
+        f"invalid submissions refused, {result['aborted']} aborted, {result['faulted']} faulted, "
+        f"{result['session_turns']} session turns, {result['preemptions']} preemptions, {result['steps']} steps, "
+        f"{result['seconds']:.0f} s; {len(result['failures'])} invariant violations; wrote {path}"
+    )
+    if result["failures"]:
+        sys.exit(1)
+    return result

@@ -181,3 +181,18 @@ def test_to_spec_replaces_fields_of_a_spec_and_rejects_unknown_keywords():
     assert to_spec(spec, PARAMS, tier="max") == RequestSpec("hi", PARAMS, tier="max")
     with pytest.raises(TypeError, match="unknown request field.*'salt'.*RequestSpec fields: prompt, params"):
         to_spec("hi", salt="x")
+
+
+@pytest.mark.parametrize("prompts, text", [({"prompt": "hi"}, "got dict"), (None, "got NoneType"), (7, "got int"),
+                                            (b"hi", "got bytes")])
+def test_llm_generate_refuses_what_is_not_a_prompt_list(llm, prompts, text):
+    with pytest.raises(InvalidRequestError, match=f"^prompts: must be a prompt or a list of prompts \\({text}\\)"):
+        llm.generate(prompts, PARAMS)
+    assert llm.engine.rt.pool.is_empty() and not llm.engine.requests
+
+
+def test_a_tensor_prompt_is_refused():
+    import torch
+
+    with pytest.raises(InvalidRequestError, match=r"^prompt: must be a string or a list of token ids \(got Tensor\)"):
+        RequestSpec(torch.tensor([1, 2, 3]))

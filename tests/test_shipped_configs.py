@@ -14,10 +14,11 @@ from litellm_pipeline.builder import build_engine, to_plain
 from litellm_pipeline.demo.evaluate import eval_settings
 from litellm_pipeline.demo.train import train_settings
 from litellm_pipeline.engine.engine import Engine
+from litellm_pipeline.fault_suite import fault_settings
 from litellm_pipeline.hydra_config import compose, known_recipes
 from litellm_pipeline.sampling import SamplingParams
 
-TASK_SECTIONS = {"bench": bench_settings, "eval": eval_settings, "train_demo": train_settings}
+TASK_SECTIONS = {"bench": bench_settings, "eval": eval_settings, "train_demo": train_settings, "faults": fault_settings}
 _NEEDS_CUDA = {"device=cuda"}
 
 
@@ -43,7 +44,7 @@ def test_every_recipe_builds_its_engine_and_task_settings(name):
     cfg = compose([f"+recipe={name}"])
     task = cfg.get("task")
     assert task is not None, f"recipe {name} sets no task"
-    section = {"bench": "bench", "eval": "eval", "train_demo": "train"}.get(task)
+    section = {"bench": "bench", "eval": "eval", "train_demo": "train", "faults": "faults"}.get(task)
     if section is not None:
         TASK_SECTIONS[task](to_plain(cfg[section]) if OmegaConf.is_config(cfg[section]) else cfg[section])
     _build_and_run(cfg)

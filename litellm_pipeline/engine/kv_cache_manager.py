@@ -78,11 +78,16 @@ class WarmPool:
         self.pool.free([slot])  # unreferenced and hashed: cached, evictable
         return True
 
-    def promote(self, h: bytes, hot_kv: list, hot_block: int) -> None:
-        """Copy a cached warm block into a hot block; the warm copy is dropped (the hot one now caches it)."""
+    def take(self, h: bytes) -> int:
+        """Hold the cached warm slot of ``h`` so that nothing evicts it before :meth:`promote` copies it."""
         slot = self.pool.lookup(h)
-        self.pool.policy.hit(slot)
+        self.pool.acquire(slot)
+        return slot
+
+    def promote(self, slot: int, hot_kv: list, hot_block: int) -> None:
+        """Copy a held warm slot into a hot block; the warm copy is dropped (the hot one now caches it)."""
         copy_blocks(self.kv, [slot], hot_kv, [hot_block], self.block_size)
+        self.pool.free([slot])
         self.pool.discard(slot)
 
     def swap_out(self, hot_kv: list, blocks: list[int]) -> list[int] | None:
@@ -198,8 +203,9 @@ class KVCacheManager:
             if b is not None:
                 self.hot.acquire(b)
             elif self.warm is not None and self.warm.has(h) and self.hot.can_allocate(1):
+                slot = self.warm.take(h)  # first: the hot allocation may demote blocks into the warm pool
                 b = self.hot.allocate(1)[0]
-                self.warm.promote(h, self.hot_kv, b)
+                self.warm.promote(slot, self.hot_kv, b)
                 self.hot.register(b, h)
                 promoted += 1
             else:

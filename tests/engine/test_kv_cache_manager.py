@@ -148,3 +148,25 @@ def test_session_pins_full_blocks_until_it_ends():
     assert kv.hot.num_free == 4  # two full blocks stay referenced by the session
     assert kv.end_session("s") and not kv.end_session("s")
     assert kv.hot.is_empty()
+
+
+def test_promotion_survives_the_warm_pool_evicting_while_the_hot_block_is_found():
+    """Allocating the hot block for a promotion can demote another hot block into a full warm pool; that
+    must not evict the very warm block being promoted."""
+    kv = manager(num_blocks=2, warm_blocks=1)
+    a = make_req(range(1, 6))  # one full block + 1 token
+    kv.acquire_prefix(a)
+    kv.grow(a, 5)
+    a.num_computed = 5
+    kv.commit(a)
+    kv.free(a)
+    filler = make_req(range(40, 48))  # two full blocks: evicts a's block into the warm pool
+    kv.grow(filler, 8)
+    filler.num_computed = 8
+    kv.commit(filler)
+    kv.free(filler)  # both filler blocks cached in the hot pool, a's in the (full) warm pool
+    assert kv.warm.pool.num_cached == 1 and kv.hot.num_cached == 2
+    b = make_req(range(1, 6))
+    assert kv.acquire_prefix(b) == 4  # the hot allocation demotes a filler block; a's block is kept for b
+    kv.free(b)
+    assert kv.hot.is_empty() and kv.warm.pool.is_empty()

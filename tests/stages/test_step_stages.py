@@ -169,3 +169,26 @@ def test_a_graph_without_samples_is_a_config_error(path):
     with pytest.raises(ConfigError, match="no stage produces 'samples'"):
         LLM(model=path, overrides=["pipeline.order=[admit,select_tier,route,prefill,decode]",
                                    "~pipeline.stages.sample", "~pipeline.stages.emit"])
+
+
+def test_async_stream_of_a_failing_request_raises_and_the_others_finish(path):
+    import asyncio
+
+    from litellm_pipeline.engine.async_engine import AsyncEngine, EngineStepError
+
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = LLM(model=path).generate([1, 2, 3], params)[0].token_ids
+    llm = LLM(model=path, overrides=[_stage("mark", "test_fail_marked"),
+                                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,mark,emit]"])
+
+    async def consume(aeng, prompt):
+        return [o async for o in aeng.generate(prompt, params)]
+
+    async def main():
+        async with AsyncEngine(llm.engine) as aeng:
+            return await asyncio.gather(consume(aeng, [1, 2, 3]), consume(aeng, [13, 5]), return_exceptions=True)
+
+    good, bad = asyncio.run(asyncio.wait_for(main(), 60))
+    assert isinstance(bad, EngineStepError) and bad.status_code == 500 and "marked request" in str(bad)
+    assert good[-1].finished and good[-1].token_ids == ref
+    assert llm.engine.rt.pool.is_empty()
