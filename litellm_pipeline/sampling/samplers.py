@@ -182,13 +182,17 @@ def _any_penalty(rows: Sequence[SamplingRow]) -> bool:
     )
 
 
+def _no_params(name: str, params: dict) -> None:
+    if params:
+        raise ValueError(f"sampler {name!r} takes no parameters (got {sorted(params)})")
+
+
 @register("sampler", "default")
 class Sampler:
     """The default sampler: penalties, greedy / temperature / min-p / top-k / top-p, seeded per request."""
 
     def __init__(self, **params: Any) -> None:
-        if params:
-            raise ValueError(f"sampler 'default' takes no parameters (got {sorted(params)})")
+        _no_params("default", params)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick one token per row of ``logits`` (``[len(rows), vocab]``, any float dtype)."""
@@ -220,8 +224,7 @@ class GreedySampler:
     """Argmax of the raw logits for every row (ties: lowest id); only ``params.logprobs`` is honoured."""
 
     def __init__(self, **params: Any) -> None:
-        if params:
-            raise ValueError(f"sampler 'greedy' takes no parameters (got {sorted(params)})")
+        _no_params("greedy", params)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Pick the argmax token of each row of ``logits``."""
