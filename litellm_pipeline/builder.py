@@ -25,7 +25,9 @@ from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.telemetry import build_bus
-from litellm_pipeline.tiers import resolve_tiers
+from litellm_pipeline.tiers import BudgetSpec, resolve_tiers
+from litellm_pipeline.tiers.cost_model import CostModel
+from litellm_pipeline.tiers.selector import BudgetPolicy, Weights
 from litellm_pipeline.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -145,6 +147,27 @@ def _lookup(kind: str, name: str, key: str) -> Any:
         raise ConfigError(f"{key}: {exc}") from exc
 
 
+def build_cost_model(app: AppConfig, mc: ModelConfig, tiers: dict) -> CostModel:
+    """The measured profile named by ``budget.profile``, else the analytic estimate."""
+    b = app.budget
+    if b.choices is not None and mc.is_moe:
+        bad = [k for k in b.choices if k > mc.num_experts]
+        if bad:
+            raise ConfigError(f"budget.choices: {bad} exceed the model's {mc.num_experts} experts")
+    if b.profile is not None:
+        return CostModel.from_profile(b.profile, mc, tiers)
+    return CostModel.analytic(mc, tiers, b.choices, b.analytic.flops_per_s, b.analytic.bytes_per_s,
+                              torch.finfo(DTYPES[app.device.dtype]).bits // 8)
+
+
+def budget_policy(app: AppConfig) -> BudgetPolicy:
+    b = app.budget
+    limits = {k: getattr(b, k) for k in ("latency_cost_ms", "latency_per_token_ms", "monetary_cost_units")}
+    default = BudgetSpec(**limits) if any(v is not None for v in limits.values()) else None
+    w = b.weights
+    return BudgetPolicy(b.solver, b.on_infeasible, Weights(w.quality, w.latency, w.monetary), default)
+
+
 def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
     app = validate_config(to_plain(cfg))
     return build_from_app(app)
@@ -162,6 +185,8 @@ def build_from_app(app: AppConfig) -> Engine:
     path = app.model.path or demo_checkpoint()
     mc = load_model_config(path)
     tiers = resolve_tiers(app.tiers, mc)
+    _lookup("budget_solver", app.budget.solver, "budget.solver")
+    cost_model = build_cost_model(app, mc, tiers)
     tokenizer = Tokenizer.from_dir(path)
     if tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {mc.vocab_size}")
@@ -225,6 +250,8 @@ def build_from_app(app: AppConfig) -> Engine:
         eos_token_ids=frozenset(tokenizer.eos_token_ids) | frozenset(mc.eos_token_ids),
         seed=app.seed,
         bus=bus,
+        cost_model=cost_model,
+        budget=budget_policy(app),
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

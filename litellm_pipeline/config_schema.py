@@ -56,19 +56,70 @@ class PipelineSection(_Section):
         return self
 
 
+def _valid_count(k: Any) -> bool:
+    return (isinstance(k, int) and not isinstance(k, bool) and k >= 1) or k in ("native", "all") or (
+        isinstance(k, str) and k.endswith("x") and k[:-1].isdigit() and int(k[:-1]) >= 1
+    )
+
+
+class PriceSection(_Section):
+    """Monetary units per 1,000 tokens."""
+
+    prompt_1k: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    output_1k: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
 class TierSection(_Section):
-    experts_per_token: int | str = "native"
+    # one count for every layer, or a list with one per decoder layer
+    experts_per_token: int | str | list[int | str] = "native"
     cost: float = Field(default=1.0, ge=0)
     allowed_experts: list[int] | None = None
+    price: PriceSection = PriceSection()
 
     @model_validator(mode="after")
     def _valid_count(self) -> "TierSection":
         k = self.experts_per_token
-        ok = (isinstance(k, int) and k >= 1) or k in ("native", "all") or (
-            isinstance(k, str) and k.endswith("x") and k[:-1].isdigit() and int(k[:-1]) >= 1
-        )
-        if not ok:
-            raise ValueError(f"experts_per_token must be an int >= 1, 'native', '<n>x' or 'all' (got {k!r})")
+        ks = k if isinstance(k, list) else [k]
+        bad = [x for x in ks if not _valid_count(x)]
+        if bad or not ks:
+            raise ValueError(
+                f"experts_per_token must be an int >= 1, 'native', '<n>x', 'all' or a per-layer list of those "
+                f"(got {k!r})"
+            )
+        return self
+
+
+class WeightsSection(_Section):
+    quality: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    latency: float = Field(default=0.1, ge=0, allow_inf_nan=False)
+    monetary: float = Field(default=0.1, ge=0, allow_inf_nan=False)
+
+
+class AnalyticSection(_Section):
+    flops_per_s: float = Field(default=5e10, gt=0, allow_inf_nan=False)
+    bytes_per_s: float = Field(default=1e10, gt=0, allow_inf_nan=False)
+
+
+_Limit = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+class BudgetSection(_Section):
+    """How budgets are solved (conf/budget), and the budget of requests that bring none."""
+
+    solver: str = "exact"  # registry kind "budget_solver"
+    on_infeasible: Literal["reject", "cheapest"] = "reject"
+    profile: str | None = None  # a +recipe=calibrate profile; null: the analytic estimate
+    choices: list[int] | None = None  # expert counts a layer may take; null: those of the configured tiers
+    weights: WeightsSection = WeightsSection()
+    analytic: AnalyticSection = AnalyticSection()
+    latency_cost_ms: float | None = _Limit
+    latency_per_token_ms: float | None = _Limit
+    monetary_cost_units: float | None = _Limit
+
+    @model_validator(mode="after")
+    def _positive_choices(self) -> "BudgetSection":
+        if self.choices is not None and (not self.choices or min(self.choices) < 1):
+            raise ValueError(f"choices must list expert counts >= 1 (got {self.choices})")
         return self
 
 
@@ -114,6 +165,7 @@ class AppConfig(_Section):
     tiers: dict[str, TierSection] = {}
     sampling: dict[str, Any] = {}
     engine: EngineSection = EngineSection()
+    budget: BudgetSection = BudgetSection()
     cache: CacheSection = CacheSection()
     telemetry: TelemetrySection = TelemetrySection()
     # task-specific sections: validated by the task that reads them
@@ -121,6 +173,10 @@ class AppConfig(_Section):
     train: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
     faults: dict[str, Any] | None = None
+    calibrate: dict[str, Any] | None = None
+    sweep: dict[str, Any] | None = None
+    report: dict[str, Any] | None = None
+    budget_load: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         try:

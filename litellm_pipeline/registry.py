@@ -60,6 +60,7 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.model.layer_ops",
     "litellm_pipeline.model.moe",
     "litellm_pipeline.routing",
+    "litellm_pipeline.tiers.solvers",
     "litellm_pipeline.sampling.samplers",
     "litellm_pipeline.telemetry.bus",
     "litellm_pipeline.engine.scheduler",
@@ -77,7 +78,7 @@ _CLASS_SHAPES: dict[str, tuple[str, ...]] = {
     "router": ("plan",),
     "sampler": ("__call__",),
     "kv_policy": ("add", "remove", "hit", "forget", "pop", "__len__", "__contains__"),
-    "budget_solver": (),
+    "budget_solver": ("solve",),
     "scheduler": ("add", "schedule", "finish", "has_unfinished"),
     "telemetry": ("publish",),
 }

@@ -78,9 +78,10 @@ def generate(cfg: DictConfig) -> list:
         if check is not None:
             verdict = "   ✓" if r.text == check[1] else f"   ✗ (expected {check[1]})"
         print(f"\n>>> {prompt}\n{r.text}{verdict}")
+        cost = f" cost={r.cost.monetary:.4g}" if r.cost is not None else ""
         print(
             f"[summary] prompt_tokens={len(r.prompt_token_ids)} output_tokens={len(r.token_ids)} "
-            f"finish={r.finish_reason} tier={r.tier} tokens/s={total_out / elapsed:.1f} (batch of {len(reqs)})"
+            f"finish={r.finish_reason} tier={r.tier}{cost} tokens/s={total_out / elapsed:.1f} (batch of {len(reqs)})"
         )
     return results
 
@@ -107,6 +108,38 @@ def evaluate(cfg: DictConfig) -> dict:
     from litellm_pipeline.demo.evaluate import run_eval
 
     return run_eval(cfg)
+
+
+@task("calibrate")
+def calibrate(cfg: DictConfig) -> dict:
+    """Measure the budget solvers' cost and quality model on this model and machine; writes the profile."""
+    from litellm_pipeline.tiers.calibrate import run_calibrate
+
+    return run_calibrate(cfg)
+
+
+@task("sweep")
+def sweep(cfg: DictConfig) -> dict:
+    """One job of a tier / budget sweep: the workload's quality, latency, money and compliance (sweep.json)."""
+    from litellm_pipeline.sweep import run_sweep_job
+
+    return run_sweep_job(cfg)
+
+
+@task("report")
+def report(cfg: DictConfig) -> dict:
+    """A Markdown table and a Pareto plot of a sweep directory's sweep.json files."""
+    from litellm_pipeline.report import run_report
+
+    return run_report(cfg)
+
+
+@task("budget_load")
+def budget_load(cfg: DictConfig) -> dict:
+    """Cost-adaptive routing under overload: TierSets chosen over time and budget compliance per class."""
+    from litellm_pipeline.budget_load import run_budget_load
+
+    return run_budget_load(cfg)
 
 
 @task("faults")

@@ -19,7 +19,9 @@ def run_cli(*args: str, cwd, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-SUMMARY = re.compile(r"\[summary\] prompt_tokens=(\d+) output_tokens=(\d+) finish=(\w+) tier=(\w+) tokens/s=([\d.]+)")
+SUMMARY = re.compile(
+    r"\[summary\] prompt_tokens=(\d+) output_tokens=(\d+) finish=(\w+) tier=(\w+) cost=([\d.e-]+) tokens/s=([\d.]+)"
+)
 
 
 def test_generate_on_the_embedded_default_model(tmp_path):
@@ -28,9 +30,11 @@ def test_generate_on_the_embedded_default_model(tmp_path):
     rows = SUMMARY.findall(out)
     assert len(rows) == 5  # the demo prompts: one held-out prompt per skill, each answer checked
     assert out.count("✓") + out.count("✗") == 5
-    for prompt_toks, out_toks, finish, tier, tps in rows:
+    for prompt_toks, out_toks, finish, tier, cost, tps in rows:
         assert int(prompt_toks) > 0 and 1 <= int(out_toks) <= 12 and finish in ("stop", "length")
         assert tier == "balanced" and float(tps) > 0
+        # balanced's price: 0.5 / 1.0 monetary units per 1k prompt / output tokens
+        assert float(cost) == pytest.approx((int(prompt_toks) * 0.5 + int(out_toks) * 1.0) / 1000, rel=1e-3)
 
 
 def test_generate_on_a_local_checkpoint_with_sampling_overrides(hf_checkpoint, tmp_path):

@@ -29,7 +29,7 @@ def _group_overrides() -> list[str]:
     overrides = []
     for yaml in sorted(root.rglob("*.yaml")):
         rel = yaml.relative_to(root)
-        if len(rel.parts) > 1:
+        if len(rel.parts) > 1 and rel.parts[0] != "hydra":  # hydra/launcher=...: Hydra's groups (test_sweep)
             group = rel.parent.as_posix()
             overrides.append(f"{'' if group in in_defaults else '+'}{group}={rel.stem}")
     return overrides

@@ -17,8 +17,13 @@ from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.fault_suite import fault_settings
 from litellm_pipeline.hydra_config import compose, known_recipes
 from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.budget_load import load_settings
+from litellm_pipeline.sweep import sweep_settings
+from litellm_pipeline.tiers.calibrate import calibrate_settings
 
-TASK_SECTIONS = {"bench": bench_settings, "eval": eval_settings, "train_demo": train_settings, "faults": fault_settings}
+TASK_SECTIONS = {"bench": bench_settings, "eval": eval_settings, "train_demo": train_settings, "faults": fault_settings,
+                 "calibrate": calibrate_settings, "sweep": sweep_settings, "report": None,
+                 "budget_load": load_settings}
 _NEEDS_CUDA = {"device=cuda"}
 
 
@@ -44,7 +49,8 @@ def test_every_recipe_builds_its_engine_and_task_settings(name):
     cfg = compose([f"+recipe={name}"])
     task = cfg.get("task")
     assert task is not None, f"recipe {name} sets no task"
-    section = {"bench": "bench", "eval": "eval", "train_demo": "train", "faults": "faults"}.get(task)
+    section = {"bench": "bench", "eval": "eval", "train_demo": "train", "faults": "faults",
+               "calibrate": "calibrate", "sweep": "sweep", "budget_load": "budget_load"}.get(task)
     if section is not None:
         TASK_SECTIONS[task](to_plain(cfg[section]) if OmegaConf.is_config(cfg[section]) else cfg[section])
     _build_and_run(cfg)

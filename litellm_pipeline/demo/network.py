@@ -6,8 +6,9 @@ Parameter names and shapes are exactly those of a Hugging Face ``MixtralForCausa
 runtime and `transformers` load it. The math is Mixtral's: RMSNorm, rotate-half RoPE with ``rope_theta``, GQA,
 softmax router over all experts, top-k renormalised, SwiGLU experts.
 
-Routing takes a per-token expert count ``k`` so one network can be trained at several compute tiers (k=1 is the
-runtime's ``fast`` tier, the native top-k ``balanced``, 2x ``deep``, all experts ``max``).
+Routing takes a per-token expert count ``k`` (the same in every layer, or one per layer) so one network can be
+trained at several compute tiers (k=1 is the runtime's ``fast`` tier, the native top-k ``balanced``, 2x ``deep``,
+all experts ``max``) and at per-layer mixtures of them.
 """
 
 from __future__ import annotations
@@ -192,12 +193,13 @@ class MixtralForTraining(nn.Module):
             nn.init.normal_(m.weight, std=self.cfg.initializer_range)
 
     def forward(self, ids: torch.Tensor, valid: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``ids``/``valid``/``k``: [B, T] token ids, real-token mask, experts per token."""
+        """``ids``/``valid``: [B, T] token ids, real-token mask; ``k``: experts per token, [B, T] for every layer
+        or [num_layers, B, T] per layer."""
         t = ids.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.model.embed_tokens(ids)
         aux = x.new_zeros(())
-        for layer in self.model.layers:
-            x, a = layer(x, cos, sin, valid, k)
+        for i, layer in enumerate(self.model.layers):
+            x, a = layer(x, cos, sin, valid, k[i] if k.dim() == 3 else k)
             aux = aux + a
         return self.lm_head(self.model.norm(x)), aux / len(self.model.layers)

@@ -6,10 +6,15 @@
 | `reverse` | `rev:abcde=`       | `edcba` |  3-8 lowercase letters
 | `sort`    | `sort:3917=`       | `1379`  |  3-8 digits
 | `copy`    | `copy:x7z=`        | `x7z`   |  3-8 lowercase letters and digits
-| `recall`  | `a=3,b=7,c=1;b?`   | `7`     |  2-4 distinct keys
+| `recall`  | `a3,b7,c1;b`       | `7`     |  2-4 distinct keys, each followed by its digit
 
-A training sequence is ``<s> prompt answer </s>``. Every prompt belongs to exactly one split, decided by a hash
-of the prompt text (:func:`split_of`), so held-out examples can never appear in training whatever the seeds.
+Recall is laid out as the associative-recall benchmarks lay it out (key and value adjacent, the prompt ending in
+the key asked), so the answer is the token that followed the earlier occurrence of the last token: the induction
+mechanism that copying needs too. A recall training sequence may ask several of its keys in turn
+(``a3,b7,c1;b7;c1;a3``, :func:`with_followups`): binding keys to values is the slowest skill to learn, and each
+further question is one more scored answer from the same context. Every prompt belongs to exactly one
+split, decided by a hash of the prompt text (:func:`split_of`), so held-out examples can never appear in training
+whatever the seeds; a recall sequence asks only questions whose single-question prompt is in the training split.
 Everything is drawn from :class:`random.Random` seeded with strings, which is stable across runs and platforms.
 """
 
@@ -36,6 +41,8 @@ class Example:
     task: str
     prompt: str
     answer: str
+    # training only: further (question, answer) turns after the answer; only their answers are scored
+    followups: tuple[tuple[str, str], ...] = ()
 
 
 def _add(rng: random.Random) -> tuple[str, str]:
@@ -70,8 +77,8 @@ def _recall(rng: random.Random) -> tuple[str, str]:
     keys = rng.sample(string.ascii_lowercase, rng.randint(2, 4))
     values = [rng.choice(string.digits) for _ in keys]
     q = rng.randrange(len(keys))
-    pairs = ",".join(f"{k}={v}" for k, v in zip(keys, values))
-    return f"{pairs};{keys[q]}?", values[q]
+    pairs = ",".join(f"{k}{v}" for k, v in zip(keys, values))
+    return f"{pairs};{keys[q]}", values[q]
 
 
 _MAKERS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
@@ -121,14 +128,28 @@ def heldout(per_task: int, seed: int = DEFAULT_EVAL_SEED, tasks: tuple[str, ...]
     return out
 
 
-def training_stream(seed: int, tasks: dict[str, float] | tuple[str, ...] = TASKS) -> Iterator[Example]:
-    """An endless, seeded stream of training examples; ``tasks`` maps task -> sampling weight (or lists tasks)."""
+def with_followups(ex: Example, rng: random.Random, questions: int) -> Example:
+    """A recall example that goes on to ask up to ``questions - 1`` of its other keys (``;c`` -> ``1``), in a
+    random order; a key is asked only if its single-question prompt is in the training split. Other tasks: as is."""
+    if ex.task != "recall" or questions <= 1:
+        return ex
+    pairs, first = ex.prompt.split(";")
+    table = [(kv[0], kv[1]) for kv in pairs.split(",") if kv[0] != first]
+    rng.shuffle(table)
+    asked = [(f";{k}", v) for k, v in table if split_of(f"{pairs};{k}") == "train"]
+    return Example(ex.task, ex.prompt, ex.answer, tuple(asked[: questions - 1]))
+
+
+def training_stream(seed: int, tasks: dict[str, float] | tuple[str, ...] = TASKS,
+                    recall_questions: int = 1) -> Iterator[Example]:
+    """An endless, seeded stream of training examples; ``tasks`` maps task -> sampling weight (or lists tasks);
+    recall examples ask up to ``recall_questions`` questions of one context (:func:`with_followups`)."""
     rng = random.Random(f"train:{seed}")
     weights = dict(tasks) if isinstance(tasks, dict) else dict.fromkeys(tasks, 1.0)
     names = check_tasks(list(weights))
     w = [weights[t] for t in names]
     while True:
-        yield make_example(rng.choices(names, w)[0], rng, "train")
+        yield with_followups(make_example(rng.choices(names, w)[0], rng, "train"), rng, recall_questions)
 
 
 _PATTERNS: list[tuple[str, re.Pattern, Callable[[re.Match], str]]] = [
@@ -136,8 +157,8 @@ _PATTERNS: list[tuple[str, re.Pattern, Callable[[re.Match], str]]] = [
     ("reverse", re.compile(r"rev:([a-z]+)="), lambda m: m[1][::-1]),
     ("sort", re.compile(r"sort:(\d+)="), lambda m: "".join(sorted(m[1]))),
     ("copy", re.compile(r"copy:([a-z0-9]+)="), lambda m: m[1]),
-    ("recall", re.compile(r"((?:[a-z]=\d,)*[a-z]=\d);([a-z])\?"),
-     lambda m: dict(p.split("=") for p in m[1].split(",")).get(m[2])),
+    ("recall", re.compile(r"((?:[a-z]\d,)*[a-z]\d);([a-z])"),
+     lambda m: {p[0]: p[1] for p in m[1].split(",")}.get(m[2])),
 ]
 
 

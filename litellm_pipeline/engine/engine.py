@@ -31,9 +31,11 @@ from litellm_pipeline.telemetry import (
     RequestAborted,
     RequestAdmitted,
     RequestArrived,
+    RequestCosted,
     RequestFinished,
     RequestRejected,
     StepFinished,
+    TierSelected,
 )
 from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
@@ -102,6 +104,12 @@ class Engine:
         if self.bus.enabled:
             tier = req.tierset.name if req.tierset else None
             self.bus.publish(RequestAdmitted(req.request_id, req.tenant, tier, len(req.prompt_ids)))
+            sel = req.selection
+            if sel is not None:
+                self.bus.publish(TierSelected(
+                    req.request_id, req.tenant, sel.tierset.name, sel.tierset.experts_per_layer, sel.mode,
+                    sel.feasible, sel.predicted.latency_ms, sel.predicted.monetary,
+                ))
 
     # ---- step path ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -216,7 +224,14 @@ class Engine:
         req.finish_time = now
         self.rt.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
+        req.cost = req.cost_record()
         if self.bus.enabled:
+            c = req.cost
+            if c is not None:
+                self.bus.publish(RequestCosted(
+                    req.request_id, c.tier, req.selection.load.batch, c.predicted_latency_ms,
+                    c.predicted_per_token_ms, c.latency_ms, c.per_token_ms,
+                ))
             self.bus.publish(
                 RequestFinished(
                     req.request_id, req.tenant, reason, len(req.prompt_ids), len(req.output_ids),

@@ -13,8 +13,10 @@ from litellm_pipeline.errors import InternalError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.tiers import BudgetSpec, TierSet
+from litellm_pipeline.tiers.budget import CostRecord
 
 if TYPE_CHECKING:
+    from litellm_pipeline.tiers.selector import Selection
     from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
 
@@ -43,6 +45,9 @@ class Request:
     session_id: str | None = field(init=False)  # keep this conversation's KV pinned after the request ends
     # decided by the request-level stages
     tierset: TierSet | None = None
+    selection: Selection | None = None  # the select_tier decision (prediction, mode) behind ``tierset``
+    budget_max_tokens: int | None = None  # the most output tokens its monetary budget pays for
+    cost: CostRecord | None = None  # set by the engine when it finishes
     # set by the engine on admission
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
@@ -92,14 +97,37 @@ class Request:
         """Why appending ``token`` (not yet appended) ends the request by token rules, or None.
 
         ``"stop"``: a stop token id, or an end-of-sequence token unless ``ignore_eos``; ``"length"``: it is
-        the ``max_tokens``-th output token or fills the model's context. Stop *strings* are the emit stage's.
+        the ``max_tokens``-th output token or fills the model's context; ``"budget"``: it is the last output
+        token the monetary budget pays for. Stop *strings* are the emit stage's.
         """
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
             return "stop"
-        if len(self.output_ids) + 1 >= p.max_tokens or self.num_tokens + 1 >= max_model_len:
+        n = len(self.output_ids) + 1
+        if n >= p.max_tokens or self.num_tokens + 1 >= max_model_len:
             return "length"
+        if self.budget_max_tokens is not None and n >= self.budget_max_tokens:
+            return "budget"
         return None
+
+    def cost_record(self) -> CostRecord | None:
+        """The finished request's plan and what it actually cost (None if no select_tier stage decided)."""
+        sel = self.selection
+        if sel is None:
+            return None
+        ts, pred = sel.tierset, sel.predicted
+        end = self.finish_time if self.finish_time is not None else time.monotonic()
+        n = len(self.output_ids)
+        latency = (end - self.arrival) * 1e3
+        per_token = (end - self.first_token_time) * 1e3 / (n - 1) if self.first_token_time and n > 1 else None
+        money = ts.price.of(len(self.prompt_ids), n)
+        actual = {"latency_cost_ms": latency, "latency_per_token_ms": per_token, "monetary_cost_units": money}
+        limits = self.budget.model_dump() if self.budget is not None else {}
+        met = {k: actual[k] is None or actual[k] <= lim * (1 + 1e-9) for k, lim in limits.items() if lim is not None}
+        return CostRecord(
+            ts.name, ts.experts_per_layer, sel.mode, sel.cost_model, sel.feasible, pred.latency_ms,
+            pred.per_token_ms, pred.monetary, pred.quality, latency, per_token, money, self.budget, met,
+        )
 
 
 class Sample(NamedTuple):
@@ -135,6 +163,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed (finish_reason "error")
     error_id: str | None = None  # the id of that failure in the log
+    cost: CostRecord | None = None  # set once finished: the TierSet it ran at, predicted and actual cost
 
     def raise_error(self) -> None:
         """Raise the request's failure as an :class:`InternalError` (no-op if it did not fail)."""
@@ -155,4 +184,5 @@ def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | No
         logprobs=req.logprobs,
         tier=req.tierset.name if req.tierset else None,
         num_cached_tokens=req.num_cached_tokens,
+        cost=(req.cost or req.cost_record()) if req.finished else None,
     )

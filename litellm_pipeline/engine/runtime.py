@@ -11,6 +11,8 @@ from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.telemetry import EventBus
 from litellm_pipeline.tiers import TierSet
+from litellm_pipeline.tiers.cost_model import CostModel
+from litellm_pipeline.tiers.selector import BudgetPolicy
 from litellm_pipeline.tokenizer import Tokenizer
 
 
@@ -30,6 +32,8 @@ class Runtime:
     eos_token_ids: frozenset = field(default_factory=frozenset)
     seed: int = 0
     bus: EventBus = field(default_factory=EventBus)
+    cost_model: CostModel | None = None
+    budget: BudgetPolicy = field(default_factory=BudgetPolicy)
 
 
 def allocate_kv_cache(

@@ -124,18 +124,19 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         meta: AttentionMetadata,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        plan: RoutePlan | None = None,
+        plan: RoutePlan | tuple[RoutePlan | None, ...] | None = None,
         rope_seq_lens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`)."""
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
-        if self.fused_decode_layers is not None and meta.decode_only:
+        layered = isinstance(plan, tuple)  # one plan per layer (per-layer TierSets in the batch)
+        if self.fused_decode_layers is not None and meta.decode_only and not layered:
             out = self.fused_decode_layers(self, h, cos, sin, meta, kv_caches, plan)
             if out is not None:
                 return out
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, meta, k_cache, v_cache, plan)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            h = layer(h, cos, sin, meta, k_cache, v_cache, plan[i] if layered else plan)
         return h
 
     @torch.inference_mode()

@@ -1,38 +1,86 @@
-"""select_tier: choose the TierSet a request may spend in MoE layers."""
+"""select_tier: choose the TierSet a request may spend in MoE layers (see :mod:`litellm_pipeline.tiers.selector`).
+
+The stage asks the :class:`~litellm_pipeline.tiers.selector.TierSetSelector` for a TierSet given the request's
+tier, budget, prompt length, ``max_tokens`` and the engine's current load, keeps the decision on the request
+(its cost record is built from it when the request finishes) and sets the token limit the monetary budget
+allows, which the engine enforces (``finish_reason="budget"``).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import math
 
+from litellm_pipeline import registry
 from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
+from litellm_pipeline.tiers.latency import LatencyTracker
+from litellm_pipeline.tiers.selector import MODES, Load, Mode, TierSetSelector, budget_text
 
 
 @register("stage", "select_tier")
 class SelectTier(Stage):
-    """Mode ``fixed``: the request's own tier if it names one, else the configured ``tier``."""
+    """``mode``: fixed | balanced | deep | max; ``tier``: the configured tier of ``fixed`` mode (and of
+    ``balanced`` / ``deep`` on a dense model)."""
 
     level = "request"
     inputs = ("admitted",)
     outputs = ("tierset",)
 
-    def __init__(self, rt, mode: Literal["fixed"] = "fixed", tier: str = "balanced"):
+    def __init__(self, rt, mode: Mode = "fixed", tier: str = "balanced"):
         super().__init__(rt)
-        if mode != "fixed":
-            raise ValueError(f"pipeline.stages.select_tier.params.mode: {mode!r} is not available; allowed: fixed")
+        if mode not in MODES:
+            raise ValueError(f"pipeline.stages.select_tier.params.mode: {mode!r} is not available; allowed: "
+                             f"{', '.join(MODES)}")
         if tier not in rt.tiers:
             raise ValueError(
                 f"pipeline.stages.select_tier.params.tier: unknown tier {tier!r}; known tiers: {', '.join(rt.tiers)}"
             )
-        self.default = rt.tiers[tier]
+        b = rt.budget
+        # the modes that decide by predicted latency keep it current from what requests took (this enables
+        # the event bus; fixed and max only report predictions and leave it as configured)
+        self.tracker = LatencyTracker() if mode in ("balanced", "deep") else None
+        if self.tracker is not None:
+            rt.bus.subscribe(self.tracker)
+        self.selector = TierSetSelector(
+            rt.tiers, rt.cost_model, registry.get("budget_solver", b.solver)(), rt.model_cfg.num_experts,
+            mode=mode, default_tier=tier, on_infeasible=b.on_infeasible, weights=b.weights, tracker=self.tracker,
+        )
 
     def __call__(self, ctx: RequestContext) -> None:
-        req = ctx.request
-        if req.tier is None:
-            req.tierset = self.default
-        elif req.tier in self.rt.tiers:
-            req.tierset = self.rt.tiers[req.tier]
-        else:
-            raise InvalidRequestError("tier", f"unknown tier {req.tier!r}; known tiers: {', '.join(self.rt.tiers)}")
+        rt, req = self.rt, ctx.request
+        if req.tier is not None and req.tier not in rt.tiers:
+            raise InvalidRequestError("tier", f"unknown tier {req.tier!r}; known tiers: {', '.join(rt.tiers)}")
+        if req.budget is None:
+            req.budget = rt.budget.default
+        prompt = len(req.prompt_ids)
+        max_tokens = min(req.params.max_tokens, rt.max_model_len - prompt)
+        sel = self.selector.select(req.tier, req.budget, prompt, max_tokens, self._load())
+        req.tierset, req.selection = sel.tierset, sel
+        req.budget_max_tokens = self._affordable(req, sel.tierset, prompt)
         ctx.tierset = req.tierset
+
+    def _affordable(self, req, ts, prompt: int) -> int | None:
+        """The most output tokens the monetary budget pays for at ``ts`` (None: no monetary limit)."""
+        cap = req.budget.monetary_cost_units if req.budget is not None else None
+        if cap is None:
+            return None
+        left = cap - prompt * ts.price.prompt_1k / 1000.0
+        per_token = ts.price.output_1k / 1000.0
+        n = math.inf if per_token == 0 and left >= 0 else math.floor(left / per_token + 1e-9) if per_token else -1
+        if n < 1:
+            raise InvalidRequestError(
+                "budget",
+                f"cannot be met ({budget_text(req.budget)}): at {ts.name} the {prompt} prompt tokens and one output "
+                f"token cost {ts.price.of(prompt, 1):.4g} monetary units",
+            )
+        return None if n == math.inf else int(n)
+
+    def _load(self) -> Load:
+        """The batch a new request joins (running and waiting requests and itself) and the prompt work queued
+        ahead of it, at the default tier's prefill cost."""
+        sched = self.rt.scheduler
+        running, waiting = sched.running, sched.waiting
+        batch = min(len(running) + len(waiting) + 1, sched.max_num_seqs)
+        queued = sum(len(r.prompt_ids) - r.num_computed for r in waiting)
+        return Load(batch=batch, wait_ms=queued * self.rt.cost_model.prefill_ms_per_token(self.selector.default))

@@ -15,6 +15,8 @@ __all__ = [
     "RequestArrived",
     "RequestRejected",
     "RequestAdmitted",
+    "TierSelected",
+    "RequestCosted",
     "RequestScheduled",
     "FirstToken",
     "RequestFinished",
@@ -77,6 +79,35 @@ class FirstToken(Event):
     kind: ClassVar[str] = "first_token"
     request_id: str
     ttft_s: float  # since arrival
+
+
+@dataclass(frozen=True, slots=True)
+class TierSelected(Event):
+    """The select_tier stage's decision for an admitted request (its cost record repeats it at the end)."""
+
+    kind: ClassVar[str] = "tier_selected"
+    request_id: str
+    tenant: str
+    tier: str
+    experts_per_layer: tuple[int, ...]
+    mode: str
+    feasible: bool  # False: nothing fitted the budget; the cheapest TierSet runs
+    predicted_latency_ms: float
+    predicted_monetary: float
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCosted(Event):
+    """A finished request's predicted and actual latency (what keeps the cost model's estimates current)."""
+
+    kind: ClassVar[str] = "costed"
+    request_id: str
+    tier: str
+    batch: int  # the decode batch it was predicted for
+    predicted_latency_ms: float
+    predicted_per_token_ms: float
+    latency_ms: float
+    per_token_ms: float | None  # None for a one-token output
 
 
 @dataclass(frozen=True, slots=True)

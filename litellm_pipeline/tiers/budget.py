@@ -1,8 +1,10 @@
-"""BudgetSpec: the limits one request may spend. All limits are optional; an empty spec means no limit."""
+"""BudgetSpec: the limits one request may spend (all optional; an empty spec means no limit), and the CostRecord
+every finished request carries."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Mapping
 
 from pydantic import ConfigDict, Field
 
@@ -28,3 +30,31 @@ class BudgetSpec(ReadableModel):
     @property
     def unlimited(self) -> bool:
         return self.latency_cost_ms is None and self.latency_per_token_ms is None and self.monetary_cost_units is None
+
+
+@dataclass(frozen=True)
+class CostRecord:
+    """What a finished request was planned to cost and what it cost: the TierSet it ran at, predicted and
+    actual latency and money, and per set budget limit whether the actual value kept it."""
+
+    tier: str
+    experts_per_layer: tuple[int, ...]
+    mode: str  # the select_tier mode that chose it
+    cost_model: str  # "analytic" or the profile it was predicted from
+    feasible: bool  # False: nothing fitted the budget and the cheapest TierSet ran (on_infeasible=cheapest)
+    predicted_latency_ms: float
+    predicted_per_token_ms: float
+    predicted_monetary: float
+    predicted_quality: float
+    latency_ms: float | None = None
+    per_token_ms: float | None = None
+    monetary: float | None = None
+    budget: BudgetSpec | None = None
+    budget_met: Mapping[str, bool] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["experts_per_layer"] = list(self.experts_per_layer)
+        d["budget"] = self.budget.model_dump(exclude_none=True) if self.budget is not None else None
+        d["budget_met"] = dict(self.budget_met)
+        return d

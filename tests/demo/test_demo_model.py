@@ -16,13 +16,13 @@ from safetensors.torch import load_file
 
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.demo import CHECKPOINT_DIR, demo_checkpoint, demo_prompts
-from litellm_pipeline.demo.skills import TASKS, heldout, solve, split_of, training_stream
+from litellm_pipeline.demo.network import MixtralForTraining, NetworkConfig
+from litellm_pipeline.demo.skills import TASKS, Example, heldout, solve, split_of, training_stream
 from litellm_pipeline.demo.tokenizer import EOS_ID, build_char_tokenizer
-from litellm_pipeline.demo.train import TrainSettings, train
+from litellm_pipeline.demo.train import TrainSettings, encode_batch, train
 
-# a fixed handful of held-out prompts (two per task the model has learned); the shipped model must answer all of
-# them. recall is left out: the shipped model is near chance on it (see +recipe=eval), so a pass would be luck.
-HANDFUL = heldout(2, seed=7, tasks=("add", "reverse", "sort", "copy"))
+# a fixed handful of held-out prompts (two per skill); the shipped model must answer all of them
+HANDFUL = heldout(2, seed=7)
 TINY = dict(steps=3, batch_size=4, eval_per_task=1, progress=False, hidden_size=32, intermediate_size=16,
             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
 
@@ -53,17 +53,66 @@ def test_corpus_is_deterministic_and_answers_are_right():
     for ex in a + s1:
         assert solve(ex.prompt) == (ex.task, ex.answer)
         assert set(ex.prompt + ex.answer) <= chars
-    assert solve("12+345=") == ("add", "357") and solve("a=3,b=7,c=1;b?") == ("recall", "7")
+    assert solve("12+345=") == ("add", "357") and solve("a3,b7,c1;b") == ("recall", "7")
     assert solve("rev:abcde=") == ("reverse", "edcba") and solve("sort:3917=") == ("sort", "1379")
-    assert solve("Hello") is None and solve("a=1;b?") is None
+    assert solve("Hello") is None and solve("a1;b") is None and solve("a=3,b=7;b?") is None
+
+
+def _asked(ex) -> list[str]:
+    """Every single-question prompt a training example answers (recall follow-ups included)."""
+    pairs = ex.prompt.split(";")[0]
+    return [ex.prompt] + [f"{pairs}{q}" for q, _ in ex.followups]
 
 
 def test_heldout_prompts_never_appear_in_training():
     held = {e.prompt for e in heldout(200, seed=0)}
     assert all(split_of(p) == "eval" for p in held)
-    train_prompts = {e.prompt for e in itertools.islice(training_stream(0), 20000)}
+    stream = list(itertools.islice(training_stream(0, recall_questions=4), 20000))
+    train_prompts = {p for e in stream for p in _asked(e)}
     assert all(split_of(p) == "train" for p in train_prompts)
     assert not held & train_prompts
+    assert any(e.followups for e in stream)  # the follow-ups were exercised
+
+
+def test_recall_followups_ask_other_keys_with_their_values():
+    stream = [e for e in itertools.islice(training_stream(1, {"recall": 1.0}, recall_questions=4), 300)]
+    sizes = set()
+    for ex in stream:
+        asked = [ex.prompt.split(";")[1]] + [q[1:] for q, _ in ex.followups]
+        assert len(set(asked)) == len(asked)  # never the same key twice
+        for prompt, (_, answer) in zip(_asked(ex)[1:], ex.followups):
+            assert solve(prompt) == ("recall", answer)
+        sizes.add(len(ex.followups))
+    assert sizes == {0, 1, 2, 3}
+    plain = list(itertools.islice(training_stream(1, {"recall": 1.0}), 50))
+    assert all(not e.followups for e in plain)
+
+
+def test_encode_batch_scores_answers_only():
+    tok = build_char_tokenizer()
+    ex = Example("recall", "e9,i1;i", "1", ((";e", "9"),))
+    ids, valid, target = encode_batch([ex, Example("copy", "copy:ab=", "ab")], tok, 64)
+    text = tok.decode(ids[0][valid[0]].tolist())
+    assert text == "e9,i1;i1;e9"
+    scored = [tok.convert_ids_to_tokens([t])[0] for t in ids[0][target[0]].tolist()]
+    assert scored == ["1", "9", "</s>"]  # the follow-up question ";e" is context, not a target
+    assert [tok.convert_ids_to_tokens([t])[0] for t in ids[1][target[1]].tolist()] == ["a", "b", "</s>"]
+    assert not target[~valid].any()
+
+
+def test_per_layer_expert_counts_match_uniform_ones():
+    torch.manual_seed(0)
+    net = MixtralForTraining(NetworkConfig(vocab_size=47, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                           num_attention_heads=2, num_key_value_heads=1)).eval()
+    ids = torch.randint(4, 47, (2, 7))
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    k = torch.full_like(ids, 2)
+    with torch.no_grad():
+        same, _ = net(ids, valid, k)
+        layered, _ = net(ids, valid, torch.stack([k, k]))
+        mixed, _ = net(ids, valid, torch.stack([k, torch.full_like(ids, 8)]))
+    assert torch.equal(same, layered)
+    assert not torch.allclose(same, mixed)  # the second layer's count is used
 
 
 def test_char_tokenizer_roundtrip_and_transformers_agree(tmp_path):
@@ -75,7 +124,7 @@ def test_char_tokenizer_roundtrip_and_transformers_agree(tmp_path):
     transformers = pytest.importorskip("transformers")
     tok.save(tmp_path)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
-    for text in ("rev:abcde=", "a=3,b=7,c=1;b?", "sort: 3917="):
+    for text in ("rev:abcde=", "a3,b7,c1;b", "sort: 3917="):
         assert hf(text).input_ids == tok.encode(text)
         assert hf.decode(tok.encode(text), skip_special_tokens=True) == text
     assert (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id) == (EOS_ID, 2, 0)
@@ -135,8 +184,8 @@ def test_default_run_prints_checked_answers(tmp_path):
     out = run_cli("+recipe=generate", cwd=tmp_path).stdout
     assert "trained demo model" in out
     for ex in demo_prompts(0):
-        assert f">>> {ex.prompt}\n" in out
-    assert out.count("✓") + out.count("✗") == len(TASKS)
+        assert f">>> {ex.prompt}\n{ex.answer}   ✓\n" in out
+    assert out.count("✓") == len(TASKS) and "✗" not in out  # the default run answers every prompt
 
 
 # --- recipes ------------------------------------------------------------------------------------------------
@@ -166,9 +215,19 @@ def test_few_step_training_is_reproducible_and_loadable(tmp_path):
     train(TrainSettings(**TINY), tmp_path / "b")
     wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert a["parameters"] > 0 and len(a["history"]) == 1
+    assert a["parameters"] > 0 and len(a["history"]) == 1 and a["workers"] == 2
+    assert [step for step, _ in a["loss_curve"]] == [3] and a["loss_curve"][0][1] > 0
+    assert (tmp_path / "a" / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     out = LLM(model=str(tmp_path / "a")).generate("12+34=", SamplingParams(max_tokens=4, temperature=0.0), tier="max")
     assert 1 <= len(out[0].token_ids) <= 4
+
+
+def test_a_failing_training_worker_is_reported_by_rank(tmp_path):
+    # rank 0 cannot write the checkpoint (its parent folder is a file): the parent names the worker and its
+    # exit code instead of returning as if trained
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(RuntimeError, match="training worker 0 of 2 exited with code 1"):
+        train(TrainSettings(**TINY), tmp_path / "file" / "c")
 
 
 def test_train_demo_recipe_writes_a_checkpoint_transformers_loads(tmp_path):

@@ -48,7 +48,8 @@ def test_memory_sink_sees_the_request_lifecycle(path):
     prompt = list(range(1, 11))
     (out,) = llm.generate(prompt, GREEDY, tier="fast", tenant="acme", request_id="r1")
     kinds = [e.kind for e in sink.events if getattr(e, "request_id", "r1") == "r1" and e.kind != "step"]
-    assert kinds == ["arrived", "admitted", "prefix_lookup", "scheduled", "first_token", "finished"]
+    assert kinds == ["arrived", "admitted", "tier_selected", "prefix_lookup", "scheduled", "first_token", "costed",
+                     "finished"]
     (fin,) = sink.of(RequestFinished)
     assert (fin.reason, fin.prompt_tokens, fin.output_tokens, fin.cached_tokens, fin.tier, fin.tenant) == (
         "length", 10, 5, 0, "fast", "acme"

@@ -23,7 +23,7 @@ def test_spellings_resolve_to_expert_counts(moe):
          "d": TierSection(experts_per_token="all"), "e": TierSection(experts_per_token=1, allowed_experts=[2, 0, 2])},
         moe,
     )
-    assert tiers["a"] == TierSet("a", 1, 0.1)
+    assert tiers["a"] == TierSet("a", (1,) * moe.num_layers, 0.1)
     assert tiers["b"].experts_per_token == native and tiers["c"].experts_per_token == min(n, 2 * native)
     assert tiers["d"].experts_per_token == n and tiers["e"].allowed_experts == (0, 2)
 
@@ -37,7 +37,18 @@ def test_too_many_experts_or_bad_ids_name_the_key(moe):
 
 def test_dense_model_gets_zero_expert_tiers(hf_checkpoint):
     dense = load_model_config(hf_checkpoint("llama"))
-    assert resolve_tiers({"fast": TierSection(experts_per_token=1)}, dense)["fast"].experts_per_token == 0
+    t = resolve_tiers({"fast": TierSection(experts_per_token=1, price={"output_1k": 2})}, dense)["fast"]
+    assert t.experts_per_token == 0 and t.experts_per_layer == () and t.price.output_1k == 2.0
+
+
+def test_per_layer_counts_and_prices(moe):
+    layers, native = moe.num_layers, moe.experts_per_token
+    spec = ["native", 1] + ["all"] * (layers - 2)
+    t = resolve_tiers({"m": TierSection(experts_per_token=spec, price={"prompt_1k": 0.5, "output_1k": 1.5})}, moe)["m"]
+    assert t.experts_per_layer == (native, 1) + (moe.num_experts,) * (layers - 2) and t.uniform_k is None
+    assert t.price.of(1000, 2000) == pytest.approx(0.5 + 3.0)
+    with pytest.raises(ConfigError, match=rf"tiers.m.experts_per_token: a per-layer list .* has {layers} layers"):
+        resolve_tiers({"m": TierSection(experts_per_token=[1])}, moe)
 
 
 def test_budget_spec_limits_are_optional_and_positive():

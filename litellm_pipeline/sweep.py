@@ -1,0 +1,190 @@
+"""``+recipe=sweep``: one point of a tier / budget sweep (run many with Hydra's ``-m``), written as ``sweep.json``.
+
+A job sends a fixed workload (held-out skills prompts for the embedded demo model; a set of text prompts for
+any other checkpoint) through the configured engine, all at once, at ``sweep.tier`` or under the configured
+select_tier mode and default budget, and records:
+
+* quality: exact-match accuracy for the demo model; for another checkpoint, the share of greedy tokens equal
+  to the full model's (every expert) on the same prompts;
+* latency p50 / p99 (end to end and inter-token, ms), output tokens per second of the whole workload;
+* money: mean and total, from the cost records;
+* budget compliance: per set budget limit, the share of requests whose actual value kept it;
+* which TierSets were chosen, and how many requests the budget rejected.
+
+``+recipe=report report.sweep_dir=DIR`` (:mod:`litellm_pipeline.report`) turns a directory of these into a
+table and a Pareto plot.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from litellm_pipeline.errors import ConfigError, InvalidRequestError, format_validation_error
+from litellm_pipeline.sampling import SamplingParams
+
+TEXT_PROMPTS = (
+    "The capital of France is", "def fibonacci(n):", "1 2 3 4 5", "Once upon a time",
+    "The weather today", "import numpy as np", "Dear Sir or Madam,", "The answer is",
+)
+
+
+class SweepSettings(BaseModel):
+    """The ``sweep:`` config section (see recipes/sweep.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tier: str | None = None  # a tier every request names; null: the select_tier mode decides
+    per_task: int = Field(default=20, ge=1)  # demo model: held-out prompts per skill
+    prompts: int = Field(default=8, ge=1)  # another checkpoint: text prompts
+    max_tokens: int = Field(default=16, ge=1)
+    seed: int = 1234  # which held-out prompts
+
+
+def sweep_settings(section: Any) -> SweepSettings:
+    try:
+        return SweepSettings.model_validate(section or {})
+    except pydantic.ValidationError as exc:
+        raise ConfigError("invalid sweep config:\n" + format_validation_error(exc, "sweep")) from exc
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, round(q * (len(v) - 1))))]
+
+
+def _workload(engine, s: SweepSettings, demo: bool) -> tuple[list[str], list[str] | None, list[str] | None]:
+    if demo:
+        from litellm_pipeline.demo.skills import heldout
+
+        exs = heldout(s.per_task, seed=s.seed)
+        return [e.prompt for e in exs], [e.answer for e in exs], [e.task for e in exs]
+    return [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(s.prompts)], None, None
+
+
+def _run(engine, prompts, params, tier) -> tuple[list, int, float]:
+    """Submit everything at once and step until done: (outputs in prompt order, rejected count, seconds)."""
+    t0 = time.perf_counter()
+    reqs, rejected = [], 0
+    for p in prompts:
+        try:
+            reqs.append(engine.add_request(p, params, tier=tier))
+        except InvalidRequestError as exc:
+            if exc.field != "budget":
+                raise
+            reqs.append(None)
+            rejected += 1
+    done: dict[str, Any] = {}
+    live = [r for r in reqs if r is not None]
+    while len(done) < len(live):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    seconds = time.perf_counter() - t0
+    return [done[r.request_id] if r is not None else None for r in reqs], rejected, seconds
+
+
+def run_sweep_job(cfg) -> dict:
+    """The ``sweep`` task: run the workload once, print a line, write ``sweep.json`` into the run directory."""
+    from litellm_pipeline.builder import build_engine, to_plain
+    from litellm_pipeline.demo import output_dir
+
+    plain = to_plain(cfg)
+    s = sweep_settings(plain.get("sweep"))
+    engine = build_engine(plain)
+    if s.tier is not None and s.tier not in engine.rt.tiers:
+        raise ConfigError(f"sweep.tier: unknown tier {s.tier!r}; configured tiers: {', '.join(engine.rt.tiers)}")
+    demo = plain["model"].get("path") is None
+    prompts, answers, tasks = _workload(engine, s, demo)
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
+    outs, rejected, seconds = _run(engine, prompts, params, s.tier)
+    served = [o for o in outs if o is not None]
+    if demo:
+        right = [o is not None and o.text == a for o, a in zip(outs, answers)]
+        by_task: dict[str, list[bool]] = {}
+        for t, r in zip(tasks, right):
+            by_task.setdefault(t, []).append(r)
+        quality = sum(right) / len(right)
+        per_task = {t: sum(v) / len(v) for t, v in by_task.items()}
+    else:
+        full = max(engine.rt.tiers.values(), key=lambda t: sum(t.experts_per_layer))
+        ref, _, _ = _run(engine, prompts, SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True),
+                         full.name)
+        agree = total = 0
+        for o, r in zip(outs, ref):
+            n = len(r.token_ids)
+            total += n
+            if o is not None:
+                agree += sum(a == b for a, b in zip(o.token_ids, r.token_ids))
+        quality, per_task = agree / max(1, total), None
+    costs = [o.cost for o in served if o.cost is not None]
+    lat = [c.latency_ms for c in costs]
+    tok = [c.per_token_ms for c in costs if c.per_token_ms is not None]
+    limits = Counter()
+    met = Counter()
+    for c in costs:
+        for k, ok in c.budget_met.items():
+            limits[k] += 1
+            met[k] += ok
+    result = {
+        "overrides": _overrides(),
+        "tier": s.tier,
+        "mode": plain["pipeline"]["stages"].get("select_tier", {}).get("params", {}).get("mode", "fixed"),
+        "budget": {k: plain.get("budget", {}).get(k) for k in ("latency_cost_ms", "latency_per_token_ms",
+                                                                 "monetary_cost_units")},
+        "cost_model": costs[0].cost_model if costs else None,
+        "requests": len(prompts),
+        "rejected": rejected,
+        "quality": quality,
+        "accuracy_by_task": per_task,
+        "latency_ms": {"p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "mean": statistics.fmean(lat) if lat else None},
+        "per_token_ms": {"p50": _pct(tok, 0.5), "p99": _pct(tok, 0.99)},
+        "tokens_per_s": sum(len(o.token_ids) for o in served) / seconds if seconds > 0 else None,
+        "seconds": seconds,
+        "monetary": {"total": sum(c.monetary for c in costs), "mean": statistics.fmean([c.monetary for c in costs])
+                     if costs else None},
+        "budget_compliance": {k: met[k] / limits[k] for k in limits},
+        "tiers_chosen": dict(Counter(c.tier for c in costs)),
+    }
+    path = output_dir() / "sweep.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    label = s.tier or f"mode={result['mode']}"
+    print(f"{label}: quality {quality:.3f}, latency p50 {result['latency_ms']['p50']:.1f} ms, "
+          f"{result['tokens_per_s']:.0f} tokens/s, money {result['monetary']['total']:.4f}, rejected {rejected}; "
+          f"wrote {path}")
+    return result
+
+
+def _overrides() -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except (ImportError, ValueError):
+        return []
+
+
+def load_results(sweep_dir: str | Path) -> list[dict]:
+    """Every ``sweep.json`` under ``sweep_dir`` (a Hydra multirun directory), in job order."""
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        raise ConfigError(f"report.sweep_dir: {root} is not a directory")
+    found = sorted(root.rglob("sweep.json"), key=lambda p: [int(x) if x.isdigit() else x for x in p.parts])
+    if not found:
+        raise ConfigError(f"report.sweep_dir: no sweep.json under {root} (run `python -m litellm_pipeline -m "
+                          "+recipe=sweep ...` first)")
+    out = []
+    for p in found:
+        r = json.loads(p.read_text())
+        r["path"] = str(p)
+        out.append(r)
+    return out

@@ -1,0 +1,305 @@
+"""``+recipe=calibrate``: measure the cost and quality model on the loaded model and this machine.
+
+Costs, per decoder layer and expert count: the MoE block's time on ``prefill_tokens`` rows (per token) and on
+a decode batch of each size (per step), timed directly on the layer with random hidden states; the rest of a
+step (attention, norms, LM head, the engine's own work) is measured as whole engine decode steps and a whole
+prefill at the native count, minus their MoE blocks.
+
+Quality, per layer and expert count: the model with that one layer changed and every other layer at all
+experts, against the full model (all experts everywhere), scored over calibration sequences (prompt plus the
+full model's greedy continuation): mean KL divergence KL(full || changed) of the next-token distributions and
+top-1 agreement. The solvers' quality effect of a choice is its top-1 agreement minus one (the effects add up
+over layers). For the embedded demo model it also records exact-match accuracy per configured tier.
+
+The profile (JSON, named by model and machine) is what ``budget.profile`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm import tqdm
+
+from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan, SeqAttention
+from litellm_pipeline.sampling import SamplingParams
+
+# prompts for a checkpoint that is not the demo model (any text the tokenizer takes)
+TEXT_PROMPTS = (
+    "The quick brown fox jumps over the lazy dog because",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "In 1905, Albert Einstein published four papers that",
+    "Ingredients: two cups of flour, one egg, and",
+    "1, 2, 3, 5, 8, 13, 21,",
+    "The meeting was moved to Thursday so that",
+    "SELECT name, price FROM products WHERE",
+    "Once upon a time, in a village by the sea,",
+)
+
+
+class CalibrateSettings(BaseModel):
+    """The ``calibrate:`` config section (see recipes/calibrate.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_sizes: list[int] = Field(default=[1, 4, 16, 64], min_length=1)
+    prefill_tokens: int = Field(default=128, ge=1)
+    repeats: int = Field(default=5, ge=1)  # timings: the median of this many runs after one warm-up
+    decode_steps: int = Field(default=8, ge=1)  # engine decode steps timed per batch size
+    prompts: int = Field(default=8, ge=1)  # calibration sequences for the quality effects
+    continuation: int = Field(default=16, ge=1)  # full-model tokens generated after each prompt
+    accuracy_per_task: int = Field(default=20, ge=0)  # demo model: held-out prompts per skill (0: skip)
+    out: str | None = None  # null: <run dir>/cost_profile-<model>-<machine>.json
+    progress: bool = True
+
+
+def calibrate_settings(section: Any) -> CalibrateSettings:
+    try:
+        s = CalibrateSettings.model_validate(section or {})
+    except pydantic.ValidationError as exc:
+        raise ConfigError("invalid calibrate config:\n" + format_validation_error(exc, "calibrate")) from exc
+    if min(s.batch_sizes) < 1:
+        raise ConfigError(f"calibrate.batch_sizes: every batch size must be >= 1 (got {s.batch_sizes})")
+    return s
+
+
+def machine_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:60]
+
+
+# ---- model-level helpers ----------------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def sequence_logits(model, ids: list[int], plan, dtype: torch.dtype) -> torch.Tensor:
+    """Logits [T, V] (float32) of every position of one sequence, as one prefill into a scratch KV cache."""
+    cfg = model.cfg
+    dev = model.embed_tokens.device
+    t = len(ids)
+    slots = torch.arange(t, device=dev)
+    caches = [(torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev),
+               torch.zeros(t, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev)) for _ in range(cfg.num_layers)]
+    meta = AttentionMetadata(slot_mapping=slots, positions=slots.clone(),
+                             prefills=[SeqAttention(q_start=0, q_len=t, ctx_len=t, kv_slots=slots)])
+    rope = torch.full((t,), t, device=dev) if model.dynamic_rope else None
+    hidden = model(torch.tensor(ids, device=dev), meta, caches, plan, rope)
+    return model.compute_logits(hidden)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm-up (first calls compile or page in)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def moe_block_ms(layer, k: int, rows: int, repeats: int, dtype: torch.dtype) -> float:
+    """The MoE block of ``layer`` on ``rows`` random hidden states with ``k`` experts per token."""
+    h = layer.mlp.gate.shape[1]
+    g = torch.Generator().manual_seed(rows * 131 + k)
+    x = torch.randn(rows, h, generator=g).to(dtype=dtype, device=layer.mlp.gate.device)
+    plan = RoutePlan(max_k=k)
+    return _median_ms(lambda: layer.mlp(x, plan), repeats)
+
+
+def _engine_decode_ms(engine, batch: int, steps: int, repeats: int, max_model_len: int) -> float:
+    """ms per engine step with ``batch`` requests decoding (native routing), median over ``repeats`` runs."""
+    vocab = engine.rt.model_cfg.vocab_size
+    prompt_len = max(2, min(8, max_model_len // 4))
+    params = SamplingParams(max_tokens=max(2, min(steps * (repeats + 1) + 4, max_model_len - prompt_len - 1)),
+                            temperature=0.0, ignore_eos=True)
+    native = next((t.name for t in engine.rt.tiers.values() if t.uniform_k == engine.rt.model_cfg.experts_per_token
+                   and t.allowed_experts is None), None)
+    reqs = [engine.add_request([(7 * i + j) % vocab for j in range(prompt_len)], params, tier=native)
+            for i in range(batch)]
+    try:
+        for _ in range(10 * batch + 10):  # until every request is past its prefill
+            engine.step()
+            if all(len(r.output_ids) >= 1 for r in reqs):
+                break
+        per_run = []
+        for _ in range(repeats):
+            if any(r.finished for r in reqs):
+                break
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            per_run.append((time.perf_counter() - t0) * 1e3 / steps)
+        return statistics.median(per_run) if per_run else float("nan")
+    finally:
+        for r in reqs:
+            if r.request_id is not None:
+                engine.abort(r.request_id)
+
+
+def _calibration_sequences(engine, demo: bool, s: CalibrateSettings) -> list[list[int]]:
+    """Prompt + the full model's greedy continuation, as token ids."""
+    if demo:
+        from litellm_pipeline.demo.skills import heldout
+
+        per = max(1, -(-s.prompts // 5))
+        prompts = [ex.prompt for ex in heldout(per, seed=4321)][: s.prompts]
+    else:
+        prompts = [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(s.prompts)]
+    params = SamplingParams(max_tokens=s.continuation, temperature=0.0, ignore_eos=True)
+    top = max(engine.rt.tiers.values(), key=lambda t: sum(t.experts_per_layer))
+    outs = []
+    for p in prompts:
+        req = engine.add_request(p, params, tier=top.name)
+        while not req.finished:
+            engine.step()
+        outs.append(list(req.prompt_ids) + list(req.output_ids))
+    return outs
+
+
+def _plan(k_per_layer: tuple[int, ...]) -> tuple[RoutePlan, ...]:
+    return tuple(RoutePlan(max_k=k) for k in k_per_layer)
+
+
+def quality_effects(model, seqs: list[list[int]], choices: tuple[int, ...], num_experts: int, dtype, bar):
+    """Per layer and count: (mean KL(full || changed), top-1 agreement) with only that layer changed."""
+    layers = model.cfg.num_layers
+    full = _plan((num_experts,) * layers)
+    refs = [sequence_logits(model, ids, full, dtype) for ids in seqs]
+    out = []
+    for layer in range(layers):
+        per_k = {}
+        for k in choices:
+            ks = tuple(k if i == layer else num_experts for i in range(layers))
+            kl, agree, n = 0.0, 0, 0
+            for ids, ref in zip(seqs, refs):
+                got = sequence_logits(model, ids, _plan(ks), dtype)
+                lp_ref, lp = F.log_softmax(ref, -1), F.log_softmax(got, -1)
+                kl += float((lp_ref.exp() * (lp_ref - lp)).sum(-1).sum())
+                agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+                n += len(ids)
+            per_k[k] = (kl / n, agree / n)
+            bar.update(1)
+        out.append(per_k)
+    return out
+
+
+def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict:
+    """Measure everything and return the profile (see the module docstring)."""
+    rt = engine.rt
+    mc, model = rt.model_cfg, rt.model
+    if not mc.is_moe:
+        raise ConfigError(f"calibrate: {model_name} is a dense model: there are no expert counts to calibrate")
+    dtype = model.embed_tokens.dtype
+    choices = rt.cost_model.choices
+    native, n_exp = mc.experts_per_token, mc.num_experts
+    sparse = mc.moe_layers or (True,) * mc.num_layers
+    batches = sorted(set(s.batch_sizes))
+    work = mc.num_layers * len(choices) * (1 + len(batches)) + len(batches) + 1 + mc.num_layers * len(choices)
+    bar = tqdm(total=work, desc="calibrate", disable=not s.progress, dynamic_ncols=True)
+    layers = []
+    for i, layer in enumerate(model.layers):
+        pre, dec = {}, {}
+        for k in choices:
+            if not sparse[i]:
+                pre[k], dec[k] = 0.0, dict.fromkeys(batches, 0.0)
+                bar.update(1 + len(batches))
+                continue
+            pre[k] = moe_block_ms(layer, k, s.prefill_tokens, s.repeats, dtype) / s.prefill_tokens
+            bar.update(1)
+            dec[k] = {}
+            for b in batches:
+                dec[k][b] = moe_block_ms(layer, k, b, s.repeats, dtype)
+                bar.update(1)
+        layers.append({"prefill_ms": pre, "decode_ms": dec})
+    fixed_decode = {}
+    for b in batches:
+        b_eff = min(b, rt.scheduler.max_num_seqs)
+        step = _engine_decode_ms(engine, b_eff, s.decode_steps, s.repeats, rt.max_model_len)
+        moe = sum(layers[i]["decode_ms"][native][b] for i in range(mc.num_layers) if native in layers[i]["decode_ms"])
+        fixed_decode[b] = max(0.0, step - moe)
+        bar.update(1)
+    p = min(s.prefill_tokens, rt.max_model_len)
+    ids = [(3 * j + 1) % mc.vocab_size for j in range(p)]
+    whole = _median_ms(lambda: sequence_logits(model, ids, None, dtype), s.repeats)
+    moe_pre = sum(layers[i]["prefill_ms"].get(native, 0.0) * p for i in range(mc.num_layers))
+    fixed_prefill = max(0.0, whole - moe_pre) / p
+    bar.update(1)
+    seqs = _calibration_sequences(engine, demo, s)
+    effects = quality_effects(model, seqs, choices, n_exp, dtype, bar)
+    bar.close()
+    for layer, eff in zip(layers, effects):
+        layer["kl"] = {k: round(v[0], 6) for k, v in eff.items()}
+        layer["top1"] = {k: round(v[1], 6) for k, v in eff.items()}
+        layer["quality"] = {k: round(v[1] - 1.0, 6) for k, v in eff.items()}
+    profile = {
+        "model": model_name,
+        "machine": machine_name(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "choices": list(choices),
+        "base_quality": 1.0,
+        "fixed": {"prefill_ms": fixed_prefill, "decode_ms": fixed_decode},
+        "layers": layers,
+        "calibration": {"sequences": len(seqs), "tokens": sum(len(x) for x in seqs),
+                        "quality": "top-1 agreement with the full model, minus 1, with only that layer changed"},
+    }
+    if demo and s.accuracy_per_task:
+        from litellm_pipeline.demo.evaluate import EvalSettings, evaluate
+
+        acc = evaluate(engine, rt.tiers, EvalSettings(per_task=s.accuracy_per_task, progress=False))
+        profile["accuracy"] = {t: a["all"] for t, a in acc["accuracy"].items()}
+    return profile
+
+
+def write_profile(profile: dict, folder: Path, out: str | None) -> Path:
+    path = Path(out) if out else folder / f"cost_profile-{_slug(profile['model'])}-{_slug(profile['machine'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(profile, indent=2) + "\n")
+    return path
+
+
+def run_calibrate(cfg) -> dict:
+    """The ``calibrate`` task: build the configured engine, measure, print a summary, write the profile."""
+    from litellm_pipeline.builder import build_engine, to_plain
+    from litellm_pipeline.demo import output_dir
+
+    plain = to_plain(cfg)
+    s = calibrate_settings(plain.get("calibrate"))
+    engine = build_engine(plain)
+    path = plain["model"].get("path")
+    name = str(path) if path is not None else "embedded demo model"
+    profile = calibrate(engine, s, path is None, name)
+    where = write_profile(profile, output_dir(), s.out)
+    print(f"model: {name}; machine: {profile['machine']}; dtype {profile['dtype']}")
+    print(f"{'layer':<6}" + "".join(f"{'k=' + str(k):>24}" for k in profile["choices"]))
+    for i, layer in enumerate(profile["layers"]):
+        cells = [f"{layer['decode_ms'][k][min(layer['decode_ms'][k])]:.3f}ms top1={layer['top1'][k]:.3f}"
+                 for k in profile["choices"]]
+        print(f"{i:<6}" + "".join(f"{c:>24}" for c in cells))
+    fixed = profile["fixed"]
+    print(f"outside the MoE blocks: prefill {fixed['prefill_ms']:.4f} ms/token; decode step "
+          + ", ".join(f"b={b}: {t:.2f} ms" for b, t in fixed["decode_ms"].items()))
+    if "accuracy" in profile:
+        print("demo accuracy by tier: " + ", ".join(f"{t} {a:.3f}" for t, a in profile["accuracy"].items()))
+    print(f"wrote {where}  (use it: budget.profile={where})")
+    return profile

@@ -1,0 +1,181 @@
+"""TierSetSelector: which TierSet a request runs at, from the mode, its budget, the solver and the cost model.
+
+Modes (``pipeline.stages.select_tier.params.mode``):
+
+* ``fixed`` — the request's own tier, else the configured one; the budget is only checked.
+* ``balanced`` — the best weighted score (quality, minus latency and money relative to the full model, by
+  ``budget.weights``) among the per-layer expert counts that fit the budget.
+* ``deep`` — the highest predicted quality that fits the budget.
+* ``max`` — every expert in every layer; the budget is only checked.
+
+A request that names a tier always gets it (its budget checked). Where nothing fits, ``budget.on_infeasible``
+decides: ``reject`` (an invalid-request error naming the budget and the cheapest feasible cost) or
+``cheapest`` (run the cheapest TierSet, flagged in the cost record).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Mapping
+
+from litellm_pipeline.errors import InvalidRequestError
+from litellm_pipeline.tiers.budget import BudgetSpec
+from litellm_pipeline.tiers.cost_model import CostModel, Prediction
+from litellm_pipeline.tiers.latency import LatencyTracker
+from litellm_pipeline.tiers.solvers import Option, Problem
+from litellm_pipeline.tiers.tierset import TierSet
+
+Mode = Literal["fixed", "balanced", "deep", "max"]
+MODES = ("fixed", "balanced", "deep", "max")
+LIMITS = ("latency_cost_ms", "latency_per_token_ms", "monetary_cost_units")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """``balanced`` mode's score: quality minus latency and money, each relative to the full model's."""
+
+    quality: float = 1.0
+    latency: float = 0.1
+    monetary: float = 0.1
+
+
+@dataclass(frozen=True)
+class BudgetPolicy:
+    """The plain ``budget`` config the select_tier stage works with."""
+
+    solver: str = "exact"
+    on_infeasible: Literal["reject", "cheapest"] = "reject"
+    weights: Weights = Weights()
+    default: BudgetSpec | None = None  # the budget of requests that bring none
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the engine is doing when a request arrives: the batch it will join and the work ahead of it."""
+
+    batch: int = 1  # decode batch the request will be part of (itself included)
+    wait_ms: float = 0.0  # predicted time before its prefill starts
+
+
+@dataclass(frozen=True)
+class Selection:
+    tierset: TierSet
+    predicted: Prediction
+    feasible: bool  # whether the TierSet is predicted to keep every limit of the budget
+    mode: str
+    cost_model: str = "analytic"
+    load: Load = Load()
+
+
+def _limits(budget: BudgetSpec | None) -> tuple[float | None, float | None, float | None]:
+    if budget is None:
+        return None, None, None
+    return budget.latency_cost_ms, budget.latency_per_token_ms, budget.monetary_cost_units
+
+
+def budget_text(budget: BudgetSpec | None) -> str:
+    parts = [f"{n}={v:g}" for n, v in zip(LIMITS, _limits(budget)) if v is not None]
+    return ", ".join(parts) if parts else "no limits"
+
+
+def within(pred: Prediction, budget: BudgetSpec | None) -> dict[str, bool]:
+    """Per set limit of ``budget``: whether the prediction keeps it."""
+    values = (pred.latency_ms, pred.per_token_ms, pred.monetary)
+    return {n: v <= lim * (1 + 1e-9) for n, v, lim in zip(LIMITS, values, _limits(budget)) if lim is not None}
+
+
+class TierSetSelector:
+    def __init__(
+        self,
+        tiers: Mapping[str, TierSet],
+        cost_model: CostModel,
+        solver,
+        num_experts: int,
+        mode: Mode = "fixed",
+        default_tier: str = "balanced",
+        on_infeasible: Literal["reject", "cheapest"] = "reject",
+        weights: Weights = Weights(),
+        tracker: LatencyTracker | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode: {mode!r} is not a select_tier mode; allowed: {', '.join(MODES)}")
+        self.tiers, self.cost, self.solver = tiers, cost_model, solver
+        self.mode, self.default, self.on_infeasible, self.weights = mode, tiers[default_tier], on_infeasible, weights
+        self.num_experts = num_experts
+        self.tracker = tracker
+        layers = len(cost_model.layers)
+        # every expert in every layer: the configured tier that says so (with its name and price), if any
+        self.full = self.solved_tierset((num_experts,) * layers) if layers else self.default
+
+    # ---- the decision -----------------------------------------------------------------------------------
+    def select(self, tier: str | None, budget: BudgetSpec | None, prompt_tokens: int, max_tokens: int,
+               load: Load = Load()) -> Selection:
+        if tier is not None or self.mode == "fixed":
+            ts = self.tiers[tier] if tier is not None else self.default
+            return self._checked(ts, budget, prompt_tokens, max_tokens, load, "fixed")
+        if self.mode == "max" or not self.cost.layers:
+            ts = self.full if self.mode == "max" else self.default
+            return self._checked(ts, budget, prompt_tokens, max_tokens, load, self.mode)
+        problem = self.problem(budget, prompt_tokens, max_tokens, load)
+        solution = self.solver.solve(problem)
+        if solution is None:
+            return self._infeasible(problem, budget, prompt_tokens, max_tokens, load)
+        ts = self.solved_tierset(solution.ks(problem))
+        return Selection(ts, self.predict(ts, prompt_tokens, max_tokens, load), True, self.mode, self.cost.source, load)
+
+    def predict(self, ts: TierSet, prompt_tokens: int, max_tokens: int, load: Load) -> Prediction:
+        """The cost model's prediction, corrected by what requests at this TierSet and batch actually took."""
+        p = self.cost.predict(ts, prompt_tokens, max_tokens, load.batch, load.wait_ms)
+        f, g = self._factors(ts.name, load.batch)
+        return Prediction(p.latency_ms * f, p.per_token_ms * g, p.monetary, p.quality) if (f, g) != (1.0, 1.0) else p
+
+    def _factors(self, tier: str | None, batch: int) -> tuple[float, float]:
+        return self.tracker.factors(tier, batch) if self.tracker is not None else (1.0, 1.0)
+
+    def solved_tierset(self, ks: tuple[int, ...]) -> TierSet:
+        """A configured tier when one has exactly these counts (and no expert restriction), else a new one."""
+        for t in self.tiers.values():
+            if t.experts_per_layer == ks and t.allowed_experts is None:
+                return t
+        name = f"{ks[0]}" if all(k == ks[0] for k in ks) else "-".join(map(str, ks))
+        return TierSet(f"auto:{name}", ks, price=self.cost.mixed_price(ks))
+
+    def problem(self, budget: BudgetSpec | None, prompt_tokens: int, max_tokens: int, load: Load) -> Problem:
+        """One option per expert count per layer; constraints: end-to-end ms, inter-token ms, money."""
+        cm, w = self.cost, self.weights
+        full = cm.predict(self.full, prompt_tokens, max_tokens, load.batch)
+        lat_scale = w.latency / full.latency_ms if full.latency_ms > 0 else 0.0
+        money_scale = w.monetary / full.monetary if full.monetary > 0 else 0.0
+        layers = []
+        for i in range(len(cm.layers)):
+            opts = []
+            for k in cm.choices:
+                lat, tok, money, q = cm.layer_option(i, k, prompt_tokens, max_tokens, load.batch)
+                value = q if self.mode == "deep" else w.quality * q - lat_scale * lat - money_scale * money
+                opts.append(Option(k, (lat, tok, money), value))
+            layers.append(tuple(opts))
+        fixed_lat, fixed_tok = cm.fixed(prompt_tokens, max_tokens, load.batch)
+        f, g = self._factors(None, load.batch)  # measured / predicted latency at this batch, all TierSets
+        if (f, g) != (1.0, 1.0):
+            layers = [tuple(Option(o.k, (o.costs[0] * f, o.costs[1] * g, o.costs[2]), o.value) for o in opts)
+                      for opts in layers]
+        return Problem(tuple(layers), _limits(budget), ((fixed_lat + load.wait_ms) * f, fixed_tok * g, 0.0))
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    def _checked(self, ts, budget, prompt_tokens, max_tokens, load, mode) -> Selection:
+        pred = self.predict(ts, prompt_tokens, max_tokens, load)
+        return Selection(ts, pred, all(within(pred, budget).values()), mode, self.cost.source, load)
+
+    def _infeasible(self, problem: Problem, budget, prompt_tokens, max_tokens, load) -> Selection:
+        cheapest = problem.cheapest()
+        ts = self.solved_tierset(cheapest.ks(problem))
+        pred = self.predict(ts, prompt_tokens, max_tokens, load)
+        if self.on_infeasible == "cheapest":
+            return Selection(ts, pred, False, self.mode, self.cost.source, load)
+        raise InvalidRequestError(
+            "budget",
+            f"cannot be met ({budget_text(budget)}): the cheapest TierSet ({ts.name}, experts per layer "
+            f"{list(ts.experts_per_layer)}) is predicted at latency_cost_ms={pred.latency_ms:.3g}, "
+            f"latency_per_token_ms={pred.per_token_ms:.3g}, monetary_cost_units={pred.monetary:.4g} for "
+            f"{prompt_tokens} prompt and {max_tokens} output tokens ({self.cost.source} cost model)",
+        )

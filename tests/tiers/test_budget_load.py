@@ -1,0 +1,52 @@
+"""+recipe=budget_load at a small size: every class reported, money always within budget, TierSets adapt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from litellm_pipeline.budget_load import BudgetClass, LoadSettings, format_report, run_load
+
+
+def test_budget_load_recipe_reports_every_class(tmp_path):
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=budget_load", "budget_load.requests=30",
+           "budget_load.windows=2", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r = json.loads((tmp_path / "run" / "budget_load.json").read_text())
+    assert set(r["classes"]) == {"tight", "loose", "cheap"}
+    assert r["arrival_requests_per_s"] > r["full_model_requests_per_s"]  # overloaded by construction
+    assert sum(c["requests"] for c in r["classes"].values()) == 30
+    cheap = r["classes"]["cheap"]
+    if cheap["served"]:
+        assert cheap["monetary_compliance"] == 1.0  # money is a hard limit
+    for c in r["classes"].values():
+        assert len(c["tiers_by_window"]) == 2
+        assert sum(sum(w.values()) for w in c["tiers_by_window"]) == c["served"]
+    assert "tight" in proc.stdout and "TierSets by window" in proc.stdout
+
+
+def test_tighter_latency_budgets_get_cheaper_tiersets():
+    from litellm_pipeline import LLM
+
+    # deep: without a limit every request gets every expert; a latency budget under load must buy fewer
+    llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=deep"])
+    s = LoadSettings(requests=24, overload=1.5, max_tokens=8, windows=1, classes=[
+        BudgetClass(name="tight", share=1, latency_x=1.2), BudgetClass(name="free", share=1)])
+    r = run_load(llm.engine, s, demo=True)
+    experts = {}
+    for name, c in r["classes"].items():
+        tiers = c["tiers_by_window"][0]
+        n = sum(tiers.values())
+        experts[name] = sum(_experts(llm, t) * k for t, k in tiers.items()) / max(1, n)
+    assert experts["free"] == 32 and experts["tight"] < experts["free"]
+    assert "tight" in format_report(r)
+    assert not llm.engine.has_unfinished() and llm.engine.rt.pool.is_empty()
+
+
+def _experts(llm, tier: str) -> int:
+    if tier in llm.engine.rt.tiers:
+        return sum(llm.engine.rt.tiers[tier].experts_per_layer)
+    return sum(int(k) for k in tier.removeprefix("auto:").split("-")) if "-" in tier else 4 * int(tier[5:])

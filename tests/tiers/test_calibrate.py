@@ -1,0 +1,66 @@
+"""+recipe=calibrate on the demo model: a profile the solvers load, with costs and quality effects that make sense."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.tiers.calibrate import sequence_logits
+
+
+def test_sequence_logits_match_the_engine():
+    llm = LLM()
+    (out,) = llm.generate("rev:abcde=", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=3))
+    model = llm.engine.rt.model
+    ids = out.prompt_token_ids + out.token_ids[:-1]
+    logits = sequence_logits(model, ids, None, model.embed_tokens.dtype)
+    n = len(out.prompt_token_ids)
+    lp = torch.log_softmax(logits[n - 1 :], -1)
+    assert lp.argmax(-1).tolist() == out.token_ids
+    for row, got in zip(lp, out.logprobs):
+        for tok, v in got.items():
+            assert abs(float(row[tok]) - v) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def profile_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("calib")
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=calibrate", "calibrate.batch_sizes=[1,4]",
+           "calibrate.repeats=1", "calibrate.decode_steps=2", "calibrate.prompts=3", "calibrate.continuation=4",
+           "calibrate.accuracy_per_task=2", "calibrate.progress=false", f"hydra.run.dir={tmp}/run"]
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = (tmp / "run").glob("cost_profile-*.json")
+    return proc.stdout, path
+
+
+def test_calibrate_writes_a_profile_the_budget_solvers_load(profile_run):
+    stdout, path = profile_run
+    assert "embedded-demo-model" in path.name and "wrote" in stdout and "budget.profile=" in stdout
+    data = json.loads(path.read_text())
+    assert data["model"] == "embedded demo model" and data["choices"] == [1, 2, 4, 8] and len(data["layers"]) == 4
+    assert set(data["accuracy"]) == {"fast", "balanced", "deep", "max"}
+    for layer in data["layers"]:
+        assert all(layer["prefill_ms"][k] > 0 for k in layer["prefill_ms"])
+        assert set(layer["decode_ms"]["1"]) == {"1", "4"}
+        # the full model agrees with itself: all experts in one layer changes nothing
+        assert layer["top1"]["8"] == 1.0 and layer["kl"]["8"] < 1e-6 and layer["quality"]["8"] == 0.0
+        assert layer["kl"]["1"] >= layer["kl"]["8"]
+    assert data["fixed"]["prefill_ms"] >= 0 and set(data["fixed"]["decode_ms"]) == {"1", "4"}
+    llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced", f"budget.profile={path}"])
+    assert llm.engine.rt.cost_model.source == str(path)
+    (o,) = llm.generate("12+34=", SamplingParams(max_tokens=4, temperature=0.0), budget={"monetary_cost_units": 1.0})
+    assert o.cost.cost_model == str(path) and o.cost.predicted_latency_ms > 0
+
+
+def test_calibrate_refuses_a_dense_model(hf_checkpoint, tmp_path):
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=calibrate", f"model.path={hf_checkpoint('llama')}",
+           "calibrate.progress=false", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "dense model" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,96 @@
+"""Budget solvers: exact against brute force, greedy never infeasible, both on constructed cases."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from litellm_pipeline import registry
+from litellm_pipeline.tiers.solvers import ExactSolver, GreedySolver, Option, Problem
+
+
+def brute_force(p: Problem):
+    best = None
+    for choice in itertools.product(*(range(len(o)) for o in p.layers)):
+        s = p.evaluate(choice)
+        if p.fits(s.costs) and (best is None or s.value > best.value + 1e-12):
+            best = s
+    return best
+
+
+def monotone_problem(rng: random.Random, layers: int, options: int, constraints: int, tight: float) -> Problem:
+    """Each layer's options cost more in every constraint the more value they give (like expert counts)."""
+    out = []
+    for _ in range(layers):
+        costs = [sorted(rng.uniform(0.1, 5.0) for _ in range(options)) for _ in range(constraints)]
+        values = sorted(rng.uniform(-1.0, 1.0) for _ in range(options))
+        out.append(tuple(Option(i + 1, tuple(c[i] for c in costs), values[i]) for i in range(options)))
+    lows = [sum(min(o.costs[j] for o in opts) for opts in out) for j in range(constraints)]
+    highs = [sum(max(o.costs[j] for o in opts) for opts in out) for j in range(constraints)]
+    limits = tuple(lo + tight * (hi - lo) if rng.random() < 0.8 else None for lo, hi in zip(lows, highs))
+    return Problem(tuple(out), limits)
+
+
+def test_solvers_are_registered():
+    assert registry.get("budget_solver", "exact") is ExactSolver
+    assert registry.get("budget_solver", "greedy") is GreedySolver
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_exact_matches_brute_force_and_greedy_stays_feasible(seed):
+    rng = random.Random(seed)
+    p = monotone_problem(rng, layers=rng.randint(1, 5), options=rng.randint(1, 4), constraints=rng.randint(1, 3),
+                         tight=rng.uniform(-0.1, 1.1))
+    want = brute_force(p)
+    got = ExactSolver().solve(p)
+    greedy = GreedySolver().solve(p)
+    if want is None:
+        assert got is None and greedy is None
+        return
+    assert got is not None and p.fits(got.costs)
+    assert got.value == pytest.approx(want.value, abs=1e-9)
+    assert p.evaluate(got.choice).costs == pytest.approx(got.costs)
+    # greedy: feasible whenever anything is, never better than the optimum
+    assert greedy is not None and p.fits(greedy.costs) and greedy.value <= want.value + 1e-9
+
+
+def test_constructed_case_where_greedy_is_not_optimal_but_exact_is():
+    # layer 0's upgrade has the best value per cost, but once taken the budget no longer fits layer 1's
+    # larger and more valuable one
+    free = Option(1, (0.0,), 0.0)
+    p = Problem(((free, Option(2, (1.0,), 1.5)), (free, Option(2, (2.0,), 2.8))), (2.0,))
+    g, e = GreedySolver().solve(p), ExactSolver().solve(p)
+    assert g.choice == (1, 0) and g.value == pytest.approx(1.5)
+    assert e.choice == (0, 1) and e.value == pytest.approx(2.8) and e == brute_force(p)
+    assert e.ks(p) == (1, 2)
+
+
+def test_base_costs_count_against_the_limits():
+    layer = (Option(1, (1.0, 0.1), 0.0), Option(4, (3.0, 0.4), 1.0))
+    assert ExactSolver().solve(Problem((layer,), (3.5, None))).choice == (1,)
+    assert ExactSolver().solve(Problem((layer,), (3.5, None), (1.0, 0.0))).choice == (0,)
+    assert ExactSolver().solve(Problem((layer,), (1.5, None), (1.0, 0.0))) is None
+    assert GreedySolver().solve(Problem((layer,), (1.5, None), (1.0, 0.0))) is None
+
+
+def test_ties_are_deterministic():
+    layer = (Option(1, (1.0,), 1.0), Option(2, (1.0,), 1.0))
+    p = Problem((layer, layer), (None,))
+    assert {ExactSolver().solve(p).choice for _ in range(5)} == {ExactSolver().solve(p).choice}
+    assert GreedySolver().solve(p).choice == (0, 0)  # no upgrade raises the value
+
+
+def test_bad_problems_are_refused():
+    with pytest.raises(ValueError, match="at least one option"):
+        Problem(((),), (1.0,))
+    with pytest.raises(ValueError, match="needs 2 costs"):
+        Problem(((Option(1, (1.0,), 0.0),),), (1.0, 2.0))
+
+
+def test_exact_refuses_a_state_explosion_with_a_clear_message():
+    rng = random.Random(3)
+    p = monotone_problem(rng, layers=12, options=4, constraints=3, tight=2.0)
+    with pytest.raises(RuntimeError, match="budget.solver=greedy"):
+        ExactSolver(max_states=50).solve(p)
