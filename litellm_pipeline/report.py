@@ -14,7 +14,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 
 from litellm_pipeline.errors import ConfigError, format_validation_error
-from litellm_pipeline.sweep import load_results
+from litellm_pipeline.sweep import fmt, load_results
 
 
 class ReportSettings(BaseModel):
@@ -54,9 +54,19 @@ def _money(r: dict) -> float:
     return r["monetary"]["mean"] if r["monetary"]["mean"] is not None else 0.0
 
 
+def _served(results: list[dict]) -> list[int]:
+    return [i for i, r in enumerate(results) if r["latency_ms"]["p50"] is not None]
+
+
+def _front(results: list[dict], x_of) -> set[int]:
+    """Indices (into ``results``) on the frontier of quality against ``x_of``, among jobs that served anything."""
+    keep = _served(results)
+    return {keep[j] for j in pareto([(x_of(results[i]), results[i]["quality"]) for i in keep])}
+
+
 def markdown(results: list[dict]) -> str:
-    lat_front = set(pareto([(r["latency_ms"]["p50"] or 0.0, r["quality"]) for r in results]))
-    money_front = set(pareto([(_money(r), r["quality"]) for r in results]))
+    lat_front = _front(results, lambda r: r["latency_ms"]["p50"])
+    money_front = _front(results, _money)
     lines = [
         "| run | quality | latency p50 ms | latency p99 ms | tokens/s | money / request | budget met | tiers chosen | frontier |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -68,8 +78,9 @@ def markdown(results: list[dict]) -> str:
         tiers = ", ".join(f"{t} {n}" for t, n in sorted(r["tiers_chosen"].items(), key=lambda kv: -kv[1]))
         front = "/".join(x for x, on in (("latency", i in lat_front), ("money", i in money_front)) if on) or ""
         lines.append(
-            f"| {label(r)} | {r['quality']:.3f} | {r['latency_ms']['p50']:.1f} | {r['latency_ms']['p99']:.1f} | "
-            f"{r['tokens_per_s']:.0f} | {_money(r):.5f} | {comp} | {tiers} | {front} |"
+            f"| {label(r)} | {r['quality']:.3f} | {fmt(r['latency_ms']['p50'], '.1f')} | "
+            f"{fmt(r['latency_ms']['p99'], '.1f')} | {fmt(r['tokens_per_s'], '.0f')} | {_money(r):.5f} | {comp} | "
+            f"{tiers or '-'} | {front} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -82,6 +93,7 @@ def plot(results: list[dict], path: Path) -> Path:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
     panels = (("latency p50 (ms)", lambda r: r["latency_ms"]["p50"] or 0.0), ("monetary cost per request", _money))
+    results = [results[i] for i in _served(results)]
     for ax, (xlabel, x_of) in zip(axes, panels):
         pts = [(x_of(r), r["quality"]) for r in results]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], zorder=3)

@@ -106,6 +106,8 @@ def run_sweep_job(cfg) -> dict:
     demo = plain["model"].get("path") is None
     prompts, answers, tasks = _workload(engine, s, demo)
     params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
+    # warm-up (kernels built and paged in, first latencies seen), so the first job of a sweep is not the slowest
+    _run(engine, prompts[:4], SamplingParams(max_tokens=2, temperature=0.0), s.tier)
     outs, rejected, seconds = _run(engine, prompts, params, s.tier)
     served = [o for o in outs if o is not None]
     if demo:
@@ -148,7 +150,7 @@ def run_sweep_job(cfg) -> dict:
         "accuracy_by_task": per_task,
         "latency_ms": {"p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "mean": statistics.fmean(lat) if lat else None},
         "per_token_ms": {"p50": _pct(tok, 0.5), "p99": _pct(tok, 0.99)},
-        "tokens_per_s": sum(len(o.token_ids) for o in served) / seconds if seconds > 0 else None,
+        "tokens_per_s": sum(len(o.token_ids) for o in served) / seconds if served and seconds > 0 else None,
         "seconds": seconds,
         "monetary": {"total": sum(c.monetary for c in costs), "mean": statistics.fmean([c.monetary for c in costs])
                      if costs else None},
@@ -158,10 +160,15 @@ def run_sweep_job(cfg) -> dict:
     path = output_dir() / "sweep.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     label = s.tier or f"mode={result['mode']}"
-    print(f"{label}: quality {quality:.3f}, latency p50 {result['latency_ms']['p50']:.1f} ms, "
-          f"{result['tokens_per_s']:.0f} tokens/s, money {result['monetary']['total']:.4f}, rejected {rejected}; "
-          f"wrote {path}")
+    print(f"{label}: quality {quality:.3f}, latency p50 {fmt(result['latency_ms']['p50'], '.1f')} ms, "
+          f"{fmt(result['tokens_per_s'], '.0f')} tokens/s, money {result['monetary']['total']:.4f}, rejected "
+          f"{rejected} of {len(prompts)}; wrote {path}")
     return result
+
+
+def fmt(value: float | None, spec: str) -> str:
+    """``value`` formatted, or "-" where nothing was measured (every request rejected)."""
+    return "-" if value is None else format(value, spec)
 
 
 def _overrides() -> list[str]:
