@@ -121,9 +121,7 @@ class Request:
         latency = (end - self.arrival) * 1e3
         per_token = (end - self.first_token_time) * 1e3 / (n - 1) if self.first_token_time and n > 1 else None
         money = ts.price.of(len(self.prompt_ids), n)
-        actual = {"latency_cost_ms": latency, "latency_per_token_ms": per_token, "monetary_cost_units": money}
-        limits = self.budget.model_dump() if self.budget is not None else {}
-        met = {k: actual[k] is None or actual[k] <= lim * (1 + 1e-9) for k, lim in limits.items() if lim is not None}
+        met = self.budget.kept(latency, per_token, money) if self.budget is not None else {}
         return CostRecord(
             ts.name, ts.experts_per_layer, sel.mode, sel.cost_model, sel.feasible, pred.latency_ms,
             pred.per_token_ms, pred.monetary, pred.quality, latency, per_token, money, self.budget, met,

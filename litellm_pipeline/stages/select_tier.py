@@ -29,9 +29,8 @@ class SelectTier(Stage):
 
     def __init__(self, rt, mode: Mode = "fixed", tier: str = "balanced"):
         super().__init__(rt)
-        if mode not in MODES:
-            raise ValueError(f"pipeline.stages.select_tier.params.mode: {mode!r} is not available; allowed: "
-                             f"{', '.join(MODES)}")
+        if mode not in MODES:  # before the tracker subscribes to the bus
+            raise ValueError(f"mode: {mode!r} is not a select_tier mode; allowed: {', '.join(MODES)}")
         if tier not in rt.tiers:
             raise ValueError(
                 f"pipeline.stages.select_tier.params.tier: unknown tier {tier!r}; known tiers: {', '.join(rt.tiers)}"
@@ -65,9 +64,12 @@ class SelectTier(Stage):
         cap = req.budget.monetary_cost_units if req.budget is not None else None
         if cap is None:
             return None
-        left = cap - prompt * ts.price.prompt_1k / 1000.0
-        per_token = ts.price.output_1k / 1000.0
-        n = math.inf if per_token == 0 and left >= 0 else math.floor(left / per_token + 1e-9) if per_token else -1
+        left = cap - ts.price.of(prompt, 0)
+        per_token = ts.price.of(0, 1)
+        if per_token == 0:
+            n = math.inf if left >= 0 else 0
+        else:
+            n = math.floor(left / per_token + 1e-9)
         if n < 1:
             raise InvalidRequestError(
                 "budget",

@@ -31,6 +31,19 @@ class BudgetSpec(ReadableModel):
     def unlimited(self) -> bool:
         return self.latency_cost_ms is None and self.latency_per_token_ms is None and self.monetary_cost_units is None
 
+    def limits(self) -> tuple[float | None, float | None, float | None]:
+        """(latency_cost_ms, latency_per_token_ms, monetary_cost_units), in that order."""
+        return self.latency_cost_ms, self.latency_per_token_ms, self.monetary_cost_units
+
+    def kept(self, latency_ms: float | None, per_token_ms: float | None, monetary: float | None) -> dict[str, bool]:
+        """Per set limit: whether the value kept it (an unmeasured value, None, counts as kept)."""
+        values = (latency_ms, per_token_ms, monetary)
+        return {name: v is None or v <= lim * (1 + 1e-9)
+                for name, v, lim in zip(LIMITS, values, self.limits()) if lim is not None}
+
+
+LIMITS = ("latency_cost_ms", "latency_per_token_ms", "monetary_cost_units")  # BudgetSpec's fields, in order
+
 
 @dataclass(frozen=True)
 class CostRecord:

@@ -16,18 +16,17 @@ decides: ``reject`` (an invalid-request error naming the budget and the cheapest
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal, Mapping, get_args
 
 from litellm_pipeline.errors import InvalidRequestError
-from litellm_pipeline.tiers.budget import BudgetSpec
+from litellm_pipeline.tiers.budget import LIMITS, BudgetSpec
 from litellm_pipeline.tiers.cost_model import CostModel, Prediction
 from litellm_pipeline.tiers.latency import LatencyTracker
 from litellm_pipeline.tiers.solvers import Option, Problem
 from litellm_pipeline.tiers.tierset import TierSet
 
 Mode = Literal["fixed", "balanced", "deep", "max"]
-MODES = ("fixed", "balanced", "deep", "max")
-LIMITS = ("latency_cost_ms", "latency_per_token_ms", "monetary_cost_units")
+MODES = get_args(Mode)
 
 
 @dataclass(frozen=True)
@@ -68,9 +67,7 @@ class Selection:
 
 
 def _limits(budget: BudgetSpec | None) -> tuple[float | None, float | None, float | None]:
-    if budget is None:
-        return None, None, None
-    return budget.latency_cost_ms, budget.latency_per_token_ms, budget.monetary_cost_units
+    return budget.limits() if budget is not None else (None, None, None)
 
 
 def budget_text(budget: BudgetSpec | None) -> str:
@@ -80,8 +77,7 @@ def budget_text(budget: BudgetSpec | None) -> str:
 
 def within(pred: Prediction, budget: BudgetSpec | None) -> dict[str, bool]:
     """Per set limit of ``budget``: whether the prediction keeps it."""
-    values = (pred.latency_ms, pred.per_token_ms, pred.monetary)
-    return {n: v <= lim * (1 + 1e-9) for n, v, lim in zip(LIMITS, values, _limits(budget)) if lim is not None}
+    return budget.kept(pred.latency_ms, pred.per_token_ms, pred.monetary) if budget is not None else {}
 
 
 class TierSetSelector:
