@@ -252,6 +252,7 @@ def build_from_app(app: AppConfig) -> Engine:
         bus=bus,
         cost_model=cost_model,
         budget=budget_policy(app),
+        deterministic=app.engine.deterministic,
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

@@ -128,6 +128,8 @@ class EngineSection(_Section):
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     scheduler: str = "fcfs"
     preemption: Literal["recompute", "swap"] = "recompute"
+    # batch-invariant mode: a request's tokens and logprobs are bit-identical whatever shares its steps
+    deterministic: bool = False
 
 
 class CacheSection(_Section):

@@ -65,7 +65,7 @@ def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_l
 
 
 def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
-    per_run = 3 + s.num_requests + (1 if s.prefix_len else 0)
+    per_run = 3 + s.num_requests + (1 if s.prefix_len else 0) + (2 + s.num_requests if s.deterministic else 0)
     if s.peer:
         per_run += 2 + s.num_requests + n_single
     return 1 + n_models + n_models * len(s.dtypes) * per_run
@@ -102,6 +102,10 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     del engine
     gc.collect()
     bar.update()
+    row["deterministic"] = None
+    if s.deterministic:
+        row["deterministic"] = _measure_deterministic(path, s, base, items, b1, probe, bar, tag, dtype)
+        mark("deterministic mode")
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer:
         bar.set_description(f"{tag}: load transformers")
@@ -126,6 +130,22 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         del model
         gc.collect()
     return row
+
+
+def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:
+    """The same workload and batch-1 decode with ``engine.deterministic=true`` (the batch-invariant mode)."""
+    from litellm_pipeline.builder import build_engine
+
+    bar.set_description(f"{tag}: deterministic mode")
+    engine = build_engine(engine_config(base, path, dtype, {**s.engine, "engine.deterministic": True}))
+    engine_runs.warmup(engine, s.warmup, s.seed)
+    bar.update()
+    work = engine_runs.run_workload(engine, items, on_finish=bar.update)
+    one = engine_runs.batch1_decode(engine, b1, s.batch1_repeats, probe)
+    bar.update()
+    del engine
+    gc.collect()
+    return {"engine": work, "batch1": one}
 
 
 def run_bench(cfg: Any) -> dict:

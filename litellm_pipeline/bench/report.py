@@ -38,6 +38,10 @@ def derive(row: dict, roofline: dict) -> None:
         "workload_flop_pct": 100.0 * achieved / peak if peak else None,
     }
     pb, ps, p1 = row.get("peer_batched"), row.get("peer_single"), row.get("peer_batch1")
+    det = row.get("deterministic")
+    if det:  # cost of the batch-invariant mode: the share of throughput it gives up
+        det["cost_pct_mixed"] = 100.0 * (1 - det["engine"]["output_tok_s"] / eng["output_tok_s"])
+        det["cost_pct_batch1"] = 100.0 * (1 - det["batch1"]["tok_s"] / b1)
     row["ratios"] = {
         "throughput_vs_peer_batched": _ratio(eng["output_tok_s"], pb and pb["output_tok_s"]),
         "throughput_vs_peer_single": _ratio(eng["output_tok_s"], ps and ps["output_tok_s"]),
@@ -125,6 +129,14 @@ def render(result: dict) -> str:
         ["model", "dtype", "b1 tok/s", "hf b1 tok/s", "x", "BW roof tok/s", "%BW", "adj GB/s", "%BW adj", "GFLOP/s",
          "%FLOP",
          "prefix TTFT hit/cold ms", "speedup"], t2)]
+    det = [r for r in rows if r.get("deterministic")]
+    if det:
+        t3 = [[label(r), r["dtype"], _f(r["engine"]["output_tok_s"]), _f(r["deterministic"]["engine"]["output_tok_s"]),
+               _f(r["deterministic"]["cost_pct_mixed"]), _f(r["batch1"]["tok_s"]),
+               _f(r["deterministic"]["batch1"]["tok_s"]), _f(r["deterministic"]["cost_pct_batch1"])] for r in det]
+        out += ["", "batch-invariant mode (engine.deterministic=true) vs the default, same workload; cost = throughput "
+                "given up", _table(["model", "dtype", "mixed tok/s", "det tok/s", "cost %", "b1 tok/s", "det b1 tok/s",
+                                    "cost %"], t3)]
     targets = target_lines(rows)
     if targets:
         out += ["", "issue-3 targets (float32):", *targets]

@@ -39,6 +39,8 @@ class BenchSettings(_Section):
     warmup: int = Field(default=2, ge=0)  # small untimed requests before each timed part
     roofline: RooflineSettings = RooflineSettings()
     engine: dict[str, Any] = {}  # extra config overrides for the engine under test, dotted keys
+    # also run the workload and batch-1 decode with engine.deterministic=true and report its cost
+    deterministic: bool = False
     busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use (cores) above which a run is flagged
 
     @model_validator(mode="after")

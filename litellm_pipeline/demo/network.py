@@ -130,7 +130,7 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_local_experts))
 
     def forward(self, x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` [T, H], ``k`` [T] experts per token -> (output [T, H], load-balancing loss)."""
+        """``x`` [T, H], ``k`` [T] experts per token -> (output [T, H], router losses [2]: load balance, split)."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         # rank of each expert per token; stable, so ties go to the lower id as in the runtime
         order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
@@ -147,8 +147,16 @@ class SparseMoE(nn.Module):
                 out = out.index_put((idx,), expert(x[idx]) * weights[idx, e, None], accumulate=True)
         # Switch/Mixtral balance loss on the native top-k: E * sum_e (share of tokens sent to e) * (mean prob of e)
         native = (rank < self.native_k).float()
-        aux = self.num_experts * (native.mean(0) / self.native_k * probs.mean(0)).sum()
-        return out, aux
+        balance = self.num_experts * (native.mean(0) / self.native_k * probs.mean(0)).sum()
+        # split: how far the largest renormalised weight of a token routed to several experts stands above an
+        # even share (0 when its experts weigh the same); pushing it down makes the experts split the work
+        multi = k > 1
+        if bool(multi.any()):
+            top = weights[multi].float().max(-1).values
+            split = (top - 1.0 / k[multi].float()).mean()
+        else:
+            split = balance.new_zeros(())
+        return out, torch.stack([balance, split])
 
 
 class DecoderLayer(nn.Module):
@@ -176,7 +184,7 @@ class MixtralBody(nn.Module):
 
 
 class MixtralForTraining(nn.Module):
-    """``forward(ids, valid, k) -> (logits [B, T, V], mean balance loss over layers)``."""
+    """``forward(ids, valid, k) -> (logits [B, T, V], router losses [2] averaged over layers: balance, split)``."""
 
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
@@ -198,7 +206,7 @@ class MixtralForTraining(nn.Module):
         t = ids.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.model.embed_tokens(ids)
-        aux = x.new_zeros(())
+        aux = x.new_zeros(2, dtype=torch.float32)
         for i, layer in enumerate(self.model.layers):
             x, a = layer(x, cos, sin, valid, k[i] if k.dim() == 3 else k)
             aux = aux + a

@@ -47,6 +47,9 @@ class TrainSettings(BaseModel):
     weight_decay: float = Field(default=0.05, ge=0)
     grad_clip: float = Field(default=1.0, gt=0)
     aux_loss_coef: float = Field(default=0.01, ge=0)
+    # weight of the split loss: a token routed to k > 1 experts is pushed towards even weights, so no one expert
+    # carries it alone and fewer experts than trained cost quality (the tiers' staircase)
+    split_loss_coef: float = Field(default=0.0, ge=0)
     # "example": every sequence weighs the same whatever its answer's length (a one-digit recall answer counts as
     # much as an eight-letter reversal); "token": every answer token weighs the same
     loss_weighting: Literal["example", "token"] = "example"
@@ -294,7 +297,7 @@ def _train_loop(rank: int, s: TrainSettings, out_dir: Path | None, dist, parent:
         # each worker's share of the global mean: its rows' loss sum over the global batch size
         local = answer_loss(logits, ids[:, 1:], target[:, 1:], s.loss_weighting)
         share = ids.shape[0] / s.batch_size if s.loss_weighting == "example" else _token_share(target, dist)
-        loss = local * share + s.aux_loss_coef * aux / s.workers
+        loss = local * share + (s.aux_loss_coef * aux[0] + s.split_loss_coef * aux[1]) / s.workers
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if dist is not None:
@@ -307,11 +310,11 @@ def _train_loop(rank: int, s: TrainSettings, out_dir: Path | None, dist, parent:
         if len(window) == s.curve_every or step + 1 == s.steps:
             curve.append([step + 1, round(sum(window) / len(window), 5)])
             window.clear()
-        bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux.item():.3f}", lr=f"{lr_at(step, s):.1e}", refresh=False)
+        bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux[0].item():.3f}", split=f"{aux[1].item():.3f}", lr=f"{lr_at(step, s):.1e}", refresh=False)
         last = step + 1 == s.steps
         if lead and ((s.eval_every and (step + 1) % s.eval_every == 0) or last):
             acc = {kk: greedy_accuracy(model, probe, tokenizer, kk)
-                   for kk in sorted(set(ks) | set(lks) | {s.num_experts_per_tok})}
+                   for kk in sorted(set(ks) | set(lks) | {1, s.num_experts_per_tok})}
             history.append({"step": step + 1, "loss": round(ema, 5), "exact_match_by_experts": acc})
             bar.write(f"step {step + 1}: loss {ema:.4f}, held-out exact match by experts per token:")
             for kk, a in acc.items():

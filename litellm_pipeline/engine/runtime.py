@@ -34,6 +34,7 @@ class Runtime:
     bus: EventBus = field(default_factory=EventBus)
     cost_model: CostModel | None = None
     budget: BudgetPolicy = field(default_factory=BudgetPolicy)
+    deterministic: bool = False  # engine.deterministic: batch-invariant steps
 
 
 def allocate_kv_cache(

@@ -6,7 +6,8 @@ compiled on first use with torch's JIT extension loader) walks each sequence's s
 the K/V rows it needs, an online softmax in float32, GQA/MQA by sharing each K/V row among the query heads of
 its group. Prefill goes through the kernel too, generalised to a chunk of queries with the causal offset,
 except where torch SDPA (as ``sdpa`` runs it) measured faster: long chunks over a cached prefix, and very
-long fresh prompts.
+long fresh prompts. In the batch-invariant mode (``engine.deterministic``) every chunk takes the kernel: it
+computes each query row alone, so a row's result does not depend on how the prompt was chunked.
 
 If the kernel cannot be built (no compiler, no ninja, a compile error) or the inputs are outside what it
 handles (not CPU, another dtype), this falls back to ``sdpa`` and says why in one warning per reason.
@@ -61,6 +62,11 @@ def kernel() -> Callable | None:
     return _op
 
 
+def kernel_error() -> str | None:
+    """Why the kernel could not be loaded (None: it loaded, or nothing asked for it yet)."""
+    return _error
+
+
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     if not q.is_cpu:
         return f"inputs on {q.device.type}, the kernel is CPU-only"
@@ -97,7 +103,9 @@ def cpu_paged_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     window = sliding_window or 0
     for s in meta.prefills:
-        if s.q_len <= (PREFILL_KERNEL_MAX_FRESH if s.ctx_len == s.q_len else PREFILL_KERNEL_MAX_Q):
+        # the kernel computes every query row alone (keys in fixed chunks from position 0), so the
+        # batch-invariant mode keeps every chunk on it; SDPA's result depends on the chunk's length
+        if meta.batch_invariant or s.q_len <= (PREFILL_KERNEL_MAX_FRESH if s.ctx_len == s.q_len else PREFILL_KERNEL_MAX_Q):
             rows = torch.tensor([s.q_start])
             lens = torch.tensor([s.ctx_len])
             op(out, q, k_cache, v_cache, rows, s.kv_slots.reshape(1, -1), lens, s.q_len, scale, window)

@@ -33,6 +33,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [B] long: rows of the flat batch that are decode tokens
     decode_kv_slots: torch.Tensor | None = None  # [B, Lmax] long, padded with 0
     decode_ctx_lens: torch.Tensor | None = None  # [B] long
+    batch_invariant: bool = False  # engine.deterministic: every row's arithmetic independent of the others
     _decode_masks: dict = field(default_factory=dict, repr=False)
 
     @property

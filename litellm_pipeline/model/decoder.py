@@ -131,7 +131,7 @@ class CausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
         layered = isinstance(plan, tuple)  # one plan per layer (per-layer TierSets in the batch)
-        if self.fused_decode_layers is not None and meta.decode_only and not layered:
+        if self.fused_decode_layers is not None and meta.decode_only:
             out = self.fused_decode_layers(self, h, cos, sin, meta, kv_caches, plan)
             if out is not None:
                 return out

@@ -17,6 +17,10 @@ layer of the model. Its methods:
 * optionally ``moe_experts(x, expert_idx, expert_w, w13, w2)`` — a whole MoE expert block, or None (then the
   ``fused`` MoE dispatch runs ``packed`` with these ops)
 
+Both built-ins take ``deterministic=True`` (``engine.deterministic``, the batch-invariant mode): every row of a
+``linear`` then gets exactly the arithmetic it gets alone, whatever else shares the step, so a request's tokens
+and logprobs never depend on its batch. The rest of the per-layer math is row-wise already.
+
 ``torch`` is the reference (plain torch ops, transformers' order of operations). ``cpu_fused`` runs the same
 math through the C++ kernels of ``csrc/layer_ops.cpp``: each elementwise step is one pass instead of 5-20 torch
 ops, and ``linear`` with few rows (decode) uses a kernel that streams the weights once at memory speed where
@@ -38,12 +42,22 @@ from litellm_pipeline.model.rope import apply_rotary
 from litellm_pipeline.registry import register
 
 
+def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` one row at a time: each row's GEMM has the same shape whatever the batch (batch-invariant)."""
+    if x.dim() != 2 or x.shape[0] <= 1:
+        return F.linear(x, w, bias)
+    return torch.cat([F.linear(x[i : i + 1], w, bias) for i in range(x.shape[0])])
+
+
 @register("layer_ops", "torch")
 class TorchLayerOps:
     """Reference implementation: plain torch ops."""
 
+    def __init__(self, deterministic: bool = False):
+        self.deterministic = deterministic
+
     def linear(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, w, bias)
+        return row_linear(x, w, bias) if self.deterministic else F.linear(x, w, bias)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         # float32 statistics, then back to the input dtype before the weight (as the reference models do)
@@ -83,8 +97,10 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class CpuFusedLayerOps(TorchLayerOps):
     """C++ kernels on CPU tensors; the torch reference for anything else (or when the kernels cannot build)."""
 
-    def __init__(self):
-        self.max_rows = dict(SMALL_LINEAR_MAX_ROWS)
+    def __init__(self, deterministic: bool = False):
+        super().__init__(deterministic)
+        # -1: every row through the row kernel (or one row per GEMM), the C++ ops' batch-invariant mode
+        self.max_rows = dict.fromkeys(_FUSED_DTYPES, -1) if deterministic else dict(SMALL_LINEAR_MAX_ROWS)
         try:
             ns = cpu_kernels.ops()
         except Exception as exc:  # no compiler, a failed build: run as the torch reference
@@ -111,18 +127,20 @@ class CpuFusedLayerOps(TorchLayerOps):
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
 
     def linear(self, x, w, bias=None):
+        limit = self.max_rows.get(x.dtype, 0)
         if (
             self._ok
             and self._small_linear is not None
             and x.dim() == 2
-            and x.shape[0] <= self.max_rows.get(x.dtype, 0)
+            and (x.shape[0] <= limit or limit < 0)
+            and x.dtype in SMALL_LINEAR_MAX_ROWS
             and x.is_cpu
             and x.dtype == w.dtype
             and x.is_contiguous()
             and w.is_contiguous()
         ):
             return self._small_linear(x, w, bias)
-        return F.linear(x, w, bias)
+        return super().linear(x, w, bias)
 
     def rms_norm(self, x, w, eps):
         if self._fits(x) and w.dtype == x.dtype:
@@ -176,20 +194,22 @@ class CpuFusedLayerOps(TorchLayerOps):
         )
 
     def route(self, x, gate, native_k, normalize, plan):
-        # per-token limits (TierSets that differ within the step) stay on the torch path
-        if self._fits(x) and gate.dtype == x.dtype and (plan is None or (plan.top_k is None and plan.allowed is None)):
+        if self._fits(x) and gate.dtype == x.dtype:
             k = native_k if plan is None or plan.max_k is None else plan.max_k
-            return self._moe_route(x, gate, k, normalize, self.max_rows.get(x.dtype, 0))
+            top_k = None if plan is None else plan.top_k
+            allowed = None if plan is None else plan.allowed
+            return self._moe_route(x, gate, k, normalize, self.max_rows.get(x.dtype, 0), top_k, allowed)
         return super().route(x, gate, native_k, normalize, plan)
 
     def decode_layers(self, model, h, cos, sin, meta, kv_caches, plan):
-        """Every layer of ``model`` for a decode-only step in one C++ call, or None (then layer by layer).
+        """Every layer of ``model`` for a decode-only step in one call, or None (then layer by layer).
 
         Bound by ``CausalLM.bind`` only where it computes what the per-layer path computes: ``cpu_paged``
-        attention, and dense MLPs or MoE blocks under the ``fused`` dispatch without shared experts; a step
-        whose requests carry per-token expert limits goes layer by layer.
+        attention, and dense MLPs or MoE blocks under the ``fused`` dispatch without shared experts. ``plan`` is
+        one ``RoutePlan`` for every layer or a tuple with one per layer (per-layer TierSets); its per-token
+        limits go into the call, so steps that mix tiers stay on it.
         """
-        if not (self._fits(h) and cos.dtype == h.dtype) or (plan is not None and (plan.top_k is not None or plan.allowed is not None)):
+        if not (self._fits(h) and cos.dtype == h.dtype):
             return None
         w = model.decode_weights
         if w["k_caches"] is None or w["k_caches"][0] is not kv_caches[0][0]:
@@ -197,11 +217,27 @@ class CpuFusedLayerOps(TorchLayerOps):
             w["v_caches"] = [v for _, v in kv_caches]
         if not all(k.dtype == h.dtype and k.is_contiguous() for k in w["k_caches"]):
             return None
-        moe_k = w["moe_k"] if plan is None or plan.max_k is None else plan.max_k
+        moe_ks, top_ks, allowed = _layer_limits(w, plan)
         return self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
             meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens, w["o_w"],
             w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
-            w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_k, w["moe_normalize"],
-            self.max_rows.get(h.dtype, 0),
+            w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed,
+            w["moe_normalize"], self.max_rows.get(h.dtype, 0),
         )
+
+
+_NO_LIMIT = torch.empty(0, dtype=torch.long)
+
+
+def _layer_limits(w: dict, plan) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """Per MoE layer: experts per token, per-token top-k and allowed experts (empty tensor: no limit) of ``plan``
+    (one RoutePlan, a tuple of one per layer, or None); empty lists for a dense model or a step without limits."""
+    if not w["router"]:
+        return [], [], []
+    n = len(w["router"])
+    plans = plan if isinstance(plan, tuple) else (plan,) * n
+    ks = [w["moe_k"] if p is None or p.max_k is None else p.max_k for p in plans]
+    top = [_NO_LIMIT if p is None or p.top_k is None else p.top_k for p in plans]
+    allowed = [_NO_LIMIT if p is None or p.allowed is None else p.allowed for p in plans]
+    return ks, (top if any(t.numel() for t in top) else []), (allowed if any(a.numel() for a in allowed) else [])

@@ -8,9 +8,12 @@ postprocess.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from litellm_pipeline import registry
+from litellm_pipeline.model.attention_cpu import kernel as cpu_paged_kernel, kernel_error
 from litellm_pipeline.model.batch import AttentionMetadata
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import Stage, StepContext
@@ -23,11 +26,14 @@ class Decode(Stage):
 
     def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch"):
         super().__init__(rt)
-        rt.model.bind(
-            registry.get("attention", attention),
-            registry.get("moe_dispatch", moe_dispatch),
-            registry.get("layer_ops", layer_ops)(),
-        )
+        self.batch_invariant = rt.deterministic
+        ops_cls = registry.get("layer_ops", layer_ops)
+        if rt.deterministic:
+            _check_invariant(rt, attention, layer_ops, ops_cls)
+            ops = ops_cls(deterministic=True)
+        else:
+            ops = ops_cls()
+        rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch), ops)
 
     def __call__(self, ctx: StepContext) -> None:
         rt, pb, kv = self.rt, ctx.prefill_batch, ctx.kv_layout
@@ -51,7 +57,11 @@ class Decode(Stage):
         for s in pb.seqs:
             s.kv_slots = s.kv_slots.to(dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev), positions=torch.cat(positions).to(dev), prefills=pb.seqs, **meta_kw
+            slot_mapping=torch.cat(slots).to(dev),
+            positions=torch.cat(positions).to(dev),
+            prefills=pb.seqs,
+            batch_invariant=self.batch_invariant,
+            **meta_kw,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         rope_seq_lens = torch.tensor(rope_lens, device=dev) if rt.model.dynamic_rope else None
@@ -64,3 +74,22 @@ class Decode(Stage):
                 reqs.append(req)
         ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
         ctx.sample_requests = reqs
+
+
+def _check_invariant(rt, attention: str, layer_ops: str, ops_cls) -> None:
+    """``engine.deterministic`` needs an attention that computes every query row alone and layer ops that take
+    ``deterministic=True``; say which part does not, instead of running a batch-dependent engine."""
+    if attention != "cpu_paged" or rt.device.type != "cpu":
+        raise ValueError(
+            f"engine.deterministic: true needs attention 'cpu_paged' on a CPU device (got attention {attention!r} "
+            f"on {rt.device.type}): its kernel computes each query row alone, so results do not depend on the batch"
+        )
+    if cpu_paged_kernel() is None:
+        raise ValueError(f"engine.deterministic: true needs the cpu_paged C++ kernel, which is unavailable ({kernel_error()})")
+    try:
+        inspect.signature(ops_cls).bind(deterministic=True)
+    except TypeError:
+        raise ValueError(
+            f"engine.deterministic: true: layer_ops {layer_ops!r} has no batch-invariant mode (its constructor takes "
+            "no 'deterministic' argument)"
+        ) from None

@@ -8,6 +8,7 @@ allows, which the engine enforces (``finish_reason="budget"``).
 
 from __future__ import annotations
 
+import heapq
 import math
 
 from litellm_pipeline import registry
@@ -79,10 +80,35 @@ class SelectTier(Stage):
         return None if n == math.inf else int(n)
 
     def _load(self) -> Load:
-        """The batch a new request joins (running and waiting requests and itself) and the prompt work queued
-        ahead of it, at the default tier's prefill cost."""
+        """The batch a new request joins and the time before its prefill starts: the prompt work queued ahead
+        of it at the default tier's prefill cost, plus, when every sequence slot is taken, the decode steps until
+        one frees for it (the running and waiting requests ahead each hold a slot for their remaining output
+        tokens, first come first served) at the predicted step time of a full batch."""
         sched = self.rt.scheduler
-        running, waiting = sched.running, sched.waiting
-        batch = min(len(running) + len(waiting) + 1, sched.max_num_seqs)
-        queued = sum(len(r.prompt_ids) - r.num_computed for r in waiting)
-        return Load(batch=batch, wait_ms=queued * self.rt.cost_model.prefill_ms_per_token(self.selector.default))
+        running, waiting = list(sched.running), list(sched.waiting)
+        slots = sched.max_num_seqs
+        batch = min(len(running) + len(waiting) + 1, slots)
+        default = self.selector.default
+        queued = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in (*running, *waiting))
+        wait_ms = queued * self.rt.cost_model.prefill_ms_per_token(default)
+        if len(running) + len(waiting) >= slots:
+            step_ms = self.selector.predict(default, 1, 1, Load(batch=slots)).per_token_ms
+            wait_ms += steps_until_free_slot(running, waiting, slots) * step_ms
+        return Load(batch=batch, wait_ms=wait_ms)
+
+
+def _output_left(req) -> int:
+    cap = req.params.max_tokens if req.budget_max_tokens is None else min(req.params.max_tokens, req.budget_max_tokens)
+    return max(1, cap - len(req.output_ids))
+
+
+def steps_until_free_slot(running, waiting, slots: int) -> int:
+    """Decode steps until a sequence slot is free for a request that queues behind ``waiting``: each running
+    request frees its slot after its remaining output tokens, each waiting one takes the first slot to free
+    and holds it for its own (upper bounds: a request may stop early)."""
+    free_at = sorted(_output_left(r) for r in running)[:slots]
+    free_at += [0] * (slots - len(free_at))
+    heapq.heapify(free_at)
+    for r in waiting:
+        heapq.heapreplace(free_at, free_at[0] + _output_left(r))
+    return free_at[0]

@@ -50,3 +50,44 @@ def _experts(llm, tier: str) -> int:
     if tier in llm.engine.rt.tiers:
         return sum(llm.engine.rt.tiers[tier].experts_per_layer)
     return sum(int(k) for k in tier.removeprefix("auto:").split("-")) if "-" in tier else 4 * int(tier[5:])
+
+
+class _Req:
+    def __init__(self, max_tokens: int, done: int = 0, budget_max_tokens=None):
+        from litellm_pipeline.sampling import SamplingParams
+
+        self.params = SamplingParams(max_tokens=max_tokens)
+        self.output_ids = [0] * done
+        self.budget_max_tokens = budget_max_tokens
+
+
+def test_steps_until_a_slot_frees_follow_the_queue():
+    from litellm_pipeline.stages.select_tier import steps_until_free_slot
+
+    # a free slot: no wait
+    assert steps_until_free_slot([_Req(10)], [], 2) == 0
+    # two slots held for 3 and 8 more tokens: the first frees after 3 steps
+    assert steps_until_free_slot([_Req(10, done=7), _Req(8)], [], 2) == 3
+    # one waiting request (5 tokens) takes that slot until step 8; the other frees at 8 as well
+    assert steps_until_free_slot([_Req(10, done=7), _Req(8)], [_Req(5)], 2) == 8
+    # a monetary token cap shortens a request's hold
+    assert steps_until_free_slot([_Req(10, budget_max_tokens=2), _Req(8)], [], 2) == 2
+
+
+def test_a_full_engine_predicts_the_wait_for_a_slot():
+    from litellm_pipeline import LLM, SamplingParams
+
+    llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced"], max_num_seqs=2)
+    stage = next(s for s in llm.engine.request_stages if type(s).__name__ == "SelectTier")
+    idle = stage._load()
+    assert idle.wait_ms == 0 and idle.batch == 1
+    reqs = [llm.engine.add_request("a3,b7;b", SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(3)]
+    llm.engine.step()  # two run, one waits
+    busy = stage._load()
+    step_ms = stage.selector.predict(stage.selector.default, 1, 1, type(idle)(batch=2)).per_token_ms
+    assert busy.batch == 2
+    # the new request waits for the first slot to free (19 steps) and for the queued prompt to be prefilled
+    assert busy.wait_ms >= 19 * step_ms
+    for r in reqs:
+        llm.engine.abort(r.request_id)
+    assert llm.engine.rt.pool.is_empty()

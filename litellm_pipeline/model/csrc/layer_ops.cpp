@@ -117,15 +117,10 @@ inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bia
   for (int64_t m = 0; m < M; ++m) tile<T, 1, 1>(x + m * K, K, w, bias, y + m * ldy, ldy);
 }
 
+// y[m, o] for all M rows and output rows [o0, o1): R weight rows x 4 input rows per tile
 template <typename T>
-void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t O, int64_t o0,
-                 int64_t o1) {
-  if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
-    int64_t o = o0;
-    for (; o + 8 <= o1; o += 8) tile<T, 1, 8>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
-    for (; o < o1; ++o) tile<T, 1, 1>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
-    return;
-  }
+inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t O, int64_t o0,
+                         int64_t o1) {
   constexpr int R = 4;
   int64_t o = o0;
   for (; o + R <= o1; o += R) {
@@ -141,6 +136,27 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
     }
   }
   for (; o < o1; ++o) tile_rest<T>(x, M, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+}
+
+template <typename T>
+void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t O, int64_t o0,
+                 int64_t o1) {
+  if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
+    int64_t o = o0;
+    for (; o + 8 <= o1; o += 8) tile<T, 1, 8>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    for (; o < o1; ++o) tile<T, 1, 1>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    return;
+  }
+  // Many rows (a prefill in the batch-invariant mode): blocks of kOB weight rows x kMB input rows, so a weight
+  // block stays in L2 while the input blocks pass and the inputs are re-read once per weight block rather than
+  // once per R weight rows. Every output is still one whole-K dot product in the same order: blocking changes
+  // what is cached, never the arithmetic, so a row's result is the same in any batch.
+  constexpr int64_t kMB = 48, kOB = 64;
+  for (int64_t ob = o0; ob < o1; ob += kOB) {
+    const int64_t oe = std::min(o1, ob + kOB);
+    for (int64_t mb = 0; mb < M; mb += kMB)
+      linear_block<T>(x + mb * K, std::min(kMB, M - mb), K, w, bias, y + mb * O, O, ob, oe);
+  }
 }
 #endif  // LLP_AVX512
 
@@ -332,13 +348,23 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------- MoE experts
-// x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM
+// x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM.
+// max_rows < 0 is the batch-invariant mode: every row gets the arithmetic it gets alone, whatever the other rows
+// are. small_linear computes each output from its own input row only, so it serves any number of rows; without
+// it (another dtype, no AVX-512) every row is its own one-row GEMM.
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows,
                       const c10::optional<at::Tensor>& bias = c10::nullopt) {
-  const bool small = LLP_AVX512 && x.size(0) <= max_rows &&
-                     (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-  return small ? small_linear(x, w, bias) : at::linear(x, w, bias);
+  const bool kernel = LLP_AVX512 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  if (kernel && (max_rows < 0 || x.size(0) <= max_rows)) return small_linear(x, w, bias);
+  if (max_rows >= 0 || x.size(0) <= 1) return at::linear(x, w, bias);
+  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  for (int64_t i = 0; i < x.size(0); ++i) y.narrow(0, i, 1).copy_(at::linear(x.narrow(0, i, 1), w, bias));
+  return y;
 }
+
+// whether a step of `rows` rows counts as a decode-sized one (max_rows < 0: batch-invariant mode, where
+// max_rows no longer says; this only picks how the work is threaded, never the arithmetic)
+inline bool few_rows(int64_t rows, int64_t max_rows) { return rows <= (max_rows < 0 ? 32 : max_rows); }
 
 // o += rnd(y * g), rounding in T like torch's (T * float32 -> float32).to(T) then an accumulating index_put_
 template <typename T>
@@ -383,7 +409,7 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
     ys[e] = linear_any(silu_mul(linear_any(x.index_select(0, rows[e]), w13.select(0, e), max_rows)), w2.select(0, e),
                        max_rows);
   };
-  if (tokens <= max_rows && static_cast<int64_t>(active.size()) >= at::get_num_threads()) {
+  if (few_rows(tokens, max_rows) && static_cast<int64_t>(active.size()) >= at::get_num_threads()) {
     // a decode step: whole experts per thread (each streams its own weights), one fork/join for the block
     // instead of two per expert; ops called inside a parallel region run on the calling thread
     at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t b, int64_t end) {
@@ -410,32 +436,54 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
   return out;
 }
 
-// Router of a MoE block without TierSet limits: logits = x @ gate^T, float32 softmax, the k largest per token (ties
-// to the lower expert id, as a stable descending sort gives), optionally renormalised to sum to 1.
+// Router of a MoE block: logits = x @ gate^T, float32 softmax, the k largest per token (ties to the lower expert id,
+// as a stable descending sort gives), optionally renormalised to sum to 1 -- moe.route_tokens in one pass.
+// TierSet limits (either may be undefined): allowed [T, E] bool zeroes the probabilities of experts outside a
+// token's TierSet before the choice; top_k [T] long keeps the first top_k[t] slots of token t and marks the
+// others unused (index -1, weight 0).
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, int64_t k, bool normalize,
-                                             int64_t max_rows) {
+                                             int64_t max_rows, const c10::optional<at::Tensor>& top_k_in,
+                                             const c10::optional<at::Tensor>& allowed_in) {
   const at::Tensor probs = at::softmax(linear_any(x, gate_w, max_rows), -1, at::kFloat).contiguous();
   const int64_t tokens = probs.size(0), experts = probs.size(1);
   k = std::min(k, experts);
   TORCH_CHECK(k >= 1, "moe_route: k must be >= 1");
+  const bool limited = top_k_in.has_value() && top_k_in->defined() && top_k_in->numel() > 0;
+  const bool masked = allowed_in.has_value() && allowed_in->defined() && allowed_in->numel() > 0;
+  at::Tensor top_k, allowed;
+  if (limited) {
+    top_k = top_k_in->to(at::kLong).contiguous();
+    TORCH_CHECK(top_k.numel() == tokens, "moe_route: top_k needs one entry per token (", tokens, "), got ",
+                top_k.numel());
+  }
+  if (masked) {
+    allowed = allowed_in->to(at::kBool).contiguous();
+    TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == tokens && allowed.size(1) == experts,
+                "moe_route: allowed must be [tokens, experts] = [", tokens, ", ", experts, "]");
+  }
   at::Tensor idx = at::empty({tokens, k}, x.options().dtype(at::kLong));
   at::Tensor w = at::empty({tokens, k}, x.options().dtype(at::kFloat));
   const float* pp = probs.data_ptr<float>();
+  const int64_t* kp = limited ? top_k.data_ptr<int64_t>() : nullptr;
+  const bool* ap = masked ? allowed.data_ptr<bool>() : nullptr;
   int64_t* ip = idx.data_ptr<int64_t>();
   float* wp = w.data_ptr<float>();
   std::vector<char> taken(experts);
+  std::vector<float> p(experts);
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* p = pp + t * experts;
+    for (int64_t e = 0; e < experts; ++e) p[e] = (ap && !ap[t * experts + e]) ? 0.f : pp[t * experts + e];
     std::fill(taken.begin(), taken.end(), 0);
+    const int64_t keep = kp ? kp[t] : k;
     float sum = 0.f;
     for (int64_t j = 0; j < k; ++j) {
       int64_t best = -1;
       for (int64_t e = 0; e < experts; ++e)
         if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
       taken[best] = 1;
-      ip[t * k + j] = best;
-      wp[t * k + j] = p[best];
-      sum += p[best];
+      const bool used = j < keep;
+      ip[t * k + j] = used ? best : -1;
+      wp[t * k + j] = used ? p[best] : 0.f;
+      sum += wp[t * k + j];
     }
     if (normalize)
       for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= sum;
@@ -461,13 +509,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
   TORCH_CHECK(h.dim() == 2, "decode_attention_block: h must be [B, H]");
   const int64_t b = h.size(0);
   const at::Tensor x = rms_norm(h, in_norm_w, eps);
-  at::Tensor qkv;
-  const bool small = LLP_AVX512 && b <= max_rows && (h.scalar_type() == at::kFloat || h.scalar_type() == at::kBFloat16);
-  if (small) {
-    qkv = small_linear(x, qkv_w, qkv_b);
-  } else {
-    qkv = at::linear(x, qkv_w, qkv_b);
-  }
+  const at::Tensor qkv = linear_any(x, qkv_w, max_rows, qkv_b);
   const at::Tensor heads = qkv.view({b, num_heads + 2 * num_kv_heads, head_dim});
   at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
@@ -492,7 +534,9 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 
 // Every decoder layer of a decode-only step in one call: per layer the attention block above, then the dense MLP
 // (router empty) or the MoE block (router, then the experts), exactly as the per-layer calls run them. What goes
-// is the return to Python between layers, during which the memory streams stand idle.
+// is the return to Python between layers, during which the memory streams stand idle. A MoE layer i routes with
+// moe_ks[i] experts per token and the TierSet limits moe_top_k[i] / moe_allowed[i] (each list empty, or one
+// tensor per layer where an empty tensor means no limit), as moe_route takes them.
 at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b,
                          at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos, const at::Tensor& sin,
                          at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& slot_mapping,
@@ -500,8 +544,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                          at::TensorList o_w, at::TensorList o_b, at::TensorList post_norm, at::TensorList mlp_a,
                          at::TensorList mlp_b,
                          at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k, bool moe_normalize,
-                         int64_t max_rows) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef moe_ks,
+                         at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize, int64_t max_rows) {
   const size_t n = in_norm.size();
   for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
                      mlp_b.size(), windows.size()})
@@ -511,6 +555,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
   TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
               "decode_layers: q_norm/k_norm are empty or per layer");
   TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
+  TORCH_CHECK(router.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
+  TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
+  TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
   at::Tensor h = h_in;
   for (size_t i = 0; i < n; ++i) {
     auto [s, x] = decode_attention_block(
@@ -522,7 +569,9 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
     if (router.empty()) {
       h = residual_mlp(s, x, mlp_a[i], mlp_b[i], max_rows);
     } else {
-      auto [idx, w] = moe_route(x, router[i], moe_k, moe_normalize, max_rows);
+      const c10::optional<at::Tensor> top_k = moe_top_k.empty() ? c10::optional<at::Tensor>() : moe_top_k[i];
+      const c10::optional<at::Tensor> allowed = moe_allowed.empty() ? c10::optional<at::Tensor>() : moe_allowed[i];
+      auto [idx, w] = moe_route(x, router[i], moe_ks[i], moe_normalize, max_rows, top_k, allowed);
       h = s + moe_experts(x, idx, w, mlp_a[i], mlp_b[i], max_rows);
     }
   }
@@ -544,14 +593,16 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
       "Tensor? o_b, Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) "
       "-> (Tensor, Tensor)");
-  m.def("moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows) -> (Tensor, Tensor)");
+  m.def(
+      "moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows, Tensor? top_k=None, "
+      "Tensor? allowed=None) -> (Tensor, Tensor)");
   m.def(
       "decode_layers(Tensor h, Tensor[] in_norm, Tensor[] qkv_w, Tensor[] qkv_b, Tensor[] q_norm, Tensor[] k_norm, "
       "Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor slot_mapping, Tensor rows, "
       "Tensor kv_slots, Tensor ctx_lens, Tensor[] o_w, Tensor[] o_b, Tensor[] post_norm, Tensor[] mlp_a, "
       "Tensor[] mlp_b, "
       "Tensor[] router, int[] windows, float eps, float qk_eps, float scale, int num_heads, int num_kv_heads, "
-      "int head_dim, int moe_k, bool moe_normalize, int max_rows) -> Tensor");
+      "int head_dim, int[] moe_ks, Tensor[] moe_top_k, Tensor[] moe_allowed, bool moe_normalize, int max_rows) -> Tensor");
   m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows) -> Tensor");
 }
