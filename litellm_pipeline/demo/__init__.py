@@ -1,10 +1,10 @@
-"""The embedded default model: a small Mixtral-style MoE trained on the skills corpus, shipped in ``checkpoint/``.
+"""The embedded default model: a small Qwen3-MoE-format model trained on the skills corpus, shipped in ``checkpoint/``.
 
 * :mod:`~litellm_pipeline.demo.skills` -- the seeded synthetic tasks (add, reverse, sort, copy, recall) and the
   train / held-out split;
 * :mod:`~litellm_pipeline.demo.tokenizer` -- its character-level tokenizer;
-* :mod:`~litellm_pipeline.demo.network` and :mod:`~litellm_pipeline.demo.train` -- the training-mode Mixtral
-  and the loop that wrote ``checkpoint/`` (``python -m litellm_pipeline +recipe=train_demo``);
+* :mod:`~litellm_pipeline.demo.network` and :mod:`~litellm_pipeline.demo.train` -- the training-mode network
+  (Mixtral or Qwen3-MoE layout) and the loop that wrote ``checkpoint/`` (``python -m litellm_pipeline +recipe=train_demo``);
 * :mod:`~litellm_pipeline.demo.evaluate` -- exact-match accuracy per task and tier (``+recipe=eval``).
 
 The checkpoint is an ordinary Hugging Face directory, loaded through the same loader as any user checkpoint.

@@ -1,10 +1,14 @@
-"""A training-mode Mixtral in plain torch, for the demo model (the runtime's model in litellm_pipeline/model is
-inference-only).
+"""A training-mode MoE transformer in plain torch, for the demo model (the runtime's model in
+litellm_pipeline/model is inference-only), in one of two Hugging Face layouts (``NetworkConfig.family``):
 
-Parameter names and shapes are exactly those of a Hugging Face ``MixtralForCausalLM`` checkpoint
-(``model.layers.N.block_sparse_moe.experts.E.w1.weight`` ...), so ``state_dict()`` is written as is and both this
-runtime and `transformers` load it. The math is Mixtral's: RMSNorm, rotate-half RoPE with ``rope_theta``, GQA,
-softmax router over all experts, top-k renormalised, SwiGLU experts.
+* ``mixtral`` — ``MixtralForCausalLM`` (``model.layers.N.block_sparse_moe.experts.E.w1.weight`` ...): RMSNorm,
+  rotate-half RoPE with ``rope_theta``, GQA, softmax router over all experts, top-k renormalised, SwiGLU experts.
+* ``qwen3_moe`` — ``Qwen3MoeForCausalLM`` (``model.layers.N.mlp.experts.E.gate_proj.weight`` ...): the same plus
+  an RMSNorm of every query and key head before RoPE, and the top-k weights renormalised only with
+  ``norm_topk_prob`` (without it each expert adds its own softmax share, so fewer experts add less).
+
+Parameter names and shapes are exactly the checkpoint's, so ``state_dict()`` is written as is and both this
+runtime and `transformers` load it.
 
 Routing takes a per-token expert count ``k`` (the same in every layer, or one per layer) so one network can be
 trained at several compute tiers (k=1 is the runtime's ``fast`` tier, the native top-k ``balanced``, 2x ``deep``,
@@ -18,6 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+FAMILIES = ("mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -34,17 +41,52 @@ class NetworkConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    family: str = "mixtral"  # or "qwen3_moe"
+    norm_topk_prob: bool = True  # qwen3_moe: renormalise the top-k weights (mixtral always does)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family: {self.family!r} is not one of {', '.join(FAMILIES)}")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("norm_topk_prob: a Mixtral router always renormalises its top-k (use family qwen3_moe)")
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "NetworkConfig":
+        """The network of a checkpoint's config.json written by :meth:`hf_config` (either family)."""
+        family = cfg.get("model_type", "mixtral")
+        vals = dict(cfg, family=family)
+        if family == "qwen3_moe":
+            vals.update(num_local_experts=cfg["num_experts"], intermediate_size=cfg["moe_intermediate_size"],
+                        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        keys = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in vals.items() if k in keys})
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def hf_config(self, *, bos_token_id: int, eos_token_id: int, pad_token_id: int, torch_dtype: str) -> dict:
-        """config.json of the equivalent MixtralForCausalLM."""
+        """config.json of the equivalent MixtralForCausalLM or Qwen3MoeForCausalLM."""
+        fields = {k: v for k, v in asdict(self).items() if k not in ("family", "norm_topk_prob")}
+        if self.family == "qwen3_moe":
+            fields.pop("num_local_experts")
+            family = {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "num_experts": self.num_local_experts,
+                "moe_intermediate_size": self.intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "use_sliding_window": False,
+                "attention_bias": False,
+                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            }
+        else:
+            family = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
         return {
-            "architectures": ["MixtralForCausalLM"],
-            "model_type": "mixtral",
-            **{k: v for k, v in asdict(self).items()},
+            **family,
+            **fields,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "sliding_window": None,
@@ -96,11 +138,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.nkv * hd, bias=False)
         self.v_proj = nn.Linear(h, self.nkv * hd, bias=False)
         self.o_proj = nn.Linear(self.nh * hd, h, bias=False)
+        self.qk_norm = cfg.family == "qwen3_moe"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.nh, self.hd)
+        k = self.k_proj(x).view(b, t, self.nkv, self.hd)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -112,32 +161,40 @@ class Attention(nn.Module):
 
 
 class Expert(nn.Module):
+    # (gate, down, up) projection names per family
+    NAMES = {"mixtral": ("w1", "w2", "w3"), "qwen3_moe": ("gate_proj", "down_proj", "up_proj")}
+
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.w3 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self._names = self.NAMES[cfg.family]
+        for name, (a, b) in zip(self._names, ((h, i), (i, h), (h, i))):
+            self.add_module(name, nn.Linear(a, b, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, down, up = (getattr(self, n) for n in self._names)
+        return down(F.silu(gate(x)) * up(x))
 
 
 class SparseMoE(nn.Module):
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
         self.num_experts, self.native_k = cfg.num_local_experts, cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_local_experts, bias=False)
         self.experts = nn.ModuleList(Expert(cfg) for _ in range(cfg.num_local_experts))
 
     def forward(self, x: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` [T, H], ``k`` [T] experts per token -> (output [T, H], router losses [2]: load balance, split)."""
+        """``x`` [T, H], ``k`` [T] experts per token -> (output [T, H], router losses [3]: load balance, split,
+        spill)."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         # rank of each expert per token; stable, so ties go to the lower id as in the runtime
         order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(self.num_experts).expand_as(order))
         chosen = rank < k[:, None]
         weights = probs * chosen
-        weights = (weights / weights.sum(-1, keepdim=True)).to(x.dtype)
+        shares = weights / weights.sum(-1, keepdim=True)
+        weights = (shares if self.normalize else weights).to(x.dtype)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             idx = chosen[:, e].nonzero().squeeze(1)
@@ -152,18 +209,21 @@ class SparseMoE(nn.Module):
         # even share (0 when its experts weigh the same); pushing it down makes the experts split the work
         multi = k > 1
         if bool(multi.any()):
-            top = weights[multi].float().max(-1).values
+            top = shares[multi].max(-1).values
             split = (top - 1.0 / k[multi].float()).mean()
         else:
             split = balance.new_zeros(())
-        return out, torch.stack([balance, split])
+        # spill: the softmax mass outside the native top-k (0 when those experts hold the whole mixture)
+        spill = 1.0 - torch.topk(probs, self.native_k, dim=-1).values.sum(-1).mean()
+        return out, torch.stack([balance, split, spill])
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.block_sparse_moe = SparseMoE(cfg)
+        self._moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
+        self.add_module(self._moe, SparseMoE(cfg))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -171,11 +231,11 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         h = self.post_attention_layernorm(x)
         # experts only see real tokens: pads are neither computed nor counted in the balance loss
-        moe_out, aux = self.block_sparse_moe(h[valid], k[valid])
+        moe_out, aux = getattr(self, self._moe)(h[valid], k[valid])
         return x.index_put((valid,), x[valid] + moe_out), aux
 
 
-class MixtralBody(nn.Module):
+class MoeBody(nn.Module):
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -183,13 +243,14 @@ class MixtralBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class MixtralForTraining(nn.Module):
-    """``forward(ids, valid, k) -> (logits [B, T, V], router losses [2] averaged over layers: balance, split)``."""
+class MoeForTraining(nn.Module):
+    """``forward(ids, valid, k) -> (logits [B, T, V], router losses [3] averaged over layers: balance, split,
+    spill)``."""
 
     def __init__(self, cfg: NetworkConfig):
         super().__init__()
         self.cfg = cfg
-        self.model = MixtralBody(cfg)
+        self.model = MoeBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg, cfg.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -206,7 +267,7 @@ class MixtralForTraining(nn.Module):
         t = ids.shape[1]
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.model.embed_tokens(ids)
-        aux = x.new_zeros(2, dtype=torch.float32)
+        aux = x.new_zeros(3, dtype=torch.float32)
         for i, layer in enumerate(self.model.layers):
             x, a = layer(x, cos, sin, valid, k[i] if k.dim() == 3 else k)
             aux = aux + a

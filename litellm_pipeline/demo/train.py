@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from litellm_pipeline.demo.network import MixtralForTraining, NetworkConfig
+from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.demo.skills import Example, check_tasks, heldout, training_stream
 from litellm_pipeline.demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
 from litellm_pipeline.errors import ConfigError, format_validation_error
@@ -50,6 +50,9 @@ class TrainSettings(BaseModel):
     # weight of the split loss: a token routed to k > 1 experts is pushed towards even weights, so no one expert
     # carries it alone and fewer experts than trained cost quality (the tiers' staircase)
     split_loss_coef: float = Field(default=0.0, ge=0)
+    # weight of the spill loss: the router mass outside the native top-k, so the trained counts (native and up)
+    # all see about the whole mixture and one expert sees only its share of it
+    spill_loss_coef: float = Field(default=0.0, ge=0)
     # "example": every sequence weighs the same whatever its answer's length (a one-digit recall answer counts as
     # much as an eight-letter reversal); "token": every answer token weighs the same
     loss_weighting: Literal["example", "token"] = "example"
@@ -69,7 +72,10 @@ class TrainSettings(BaseModel):
     eval_every: int = Field(default=0, ge=0)  # greedy exact match on held-out prompts every N steps (0: at the end)
     eval_per_task: int = Field(default=20, ge=1)
     progress: bool = True
-    # the network (a MixtralForCausalLM)
+    # the network: a MixtralForCausalLM, or a Qwen3MoeForCausalLM (q/k norm; top-k renormalised only with
+    # norm_topk_prob: without it a token at fewer experts keeps only their softmax share)
+    family: Literal["mixtral", "qwen3_moe"] = "mixtral"
+    norm_topk_prob: bool = True
     hidden_size: int = Field(default=128, ge=8)
     intermediate_size: int = Field(default=128, ge=8)
     num_hidden_layers: int = Field(default=4, ge=1)
@@ -103,6 +109,8 @@ class TrainSettings(BaseModel):
                              "num_attention_heads a multiple of num_key_value_heads")
         if self.workers > self.batch_size:
             raise ValueError(f"workers ({self.workers}) must be <= batch_size ({self.batch_size})")
+        if self.family == "mixtral" and not self.norm_topk_prob:
+            raise ValueError("norm_topk_prob: false needs family qwen3_moe (a Mixtral router always renormalises)")
         if self.num_experts_per_tok > self.num_local_experts:
             raise ValueError("num_experts_per_tok must be <= num_local_experts")
         for name in ("tier_mix", "layer_mix"):
@@ -169,7 +177,7 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 
 @torch.no_grad()
-def greedy_accuracy(model: MixtralForTraining, examples: list[Example], tokenizer, k: int) -> dict[str, float]:
+def greedy_accuracy(model: MoeForTraining, examples: list[Example], tokenizer, k: int) -> dict[str, float]:
     """Exact match of greedy answers with ``k`` experts per token, per task and "all" (no KV cache: short sequences)."""
     model.eval()
     right: dict[str, list[bool]] = {}
@@ -190,7 +198,7 @@ def greedy_accuracy(model: MixtralForTraining, examples: list[Example], tokenize
     return acc
 
 
-def save_checkpoint(model: MixtralForTraining, tokenizer, target: Path, dtype: str, extra: dict) -> Path:
+def save_checkpoint(model: MoeForTraining, tokenizer, target: Path, dtype: str, extra: dict) -> Path:
     """Write config.json, model.safetensors, tokenizer files, generation_config.json and training.json (atomically)."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -260,7 +268,7 @@ def _worker(rank: int, s: TrainSettings, out_dir: Path | None, rendezvous: str, 
 def _train_loop(rank: int, s: TrainSettings, out_dir: Path | None, dist, parent: int | None = None) -> dict | None:
     torch.manual_seed(s.seed)
     tokenizer = build_char_tokenizer()
-    model = MixtralForTraining(s.network(tokenizer.vocab_size))
+    model = MoeForTraining(s.network(tokenizer.vocab_size))
     params = list(model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -297,7 +305,8 @@ def _train_loop(rank: int, s: TrainSettings, out_dir: Path | None, dist, parent:
         # each worker's share of the global mean: its rows' loss sum over the global batch size
         local = answer_loss(logits, ids[:, 1:], target[:, 1:], s.loss_weighting)
         share = ids.shape[0] / s.batch_size if s.loss_weighting == "example" else _token_share(target, dist)
-        loss = local * share + (s.aux_loss_coef * aux[0] + s.split_loss_coef * aux[1]) / s.workers
+        coefs = (s.aux_loss_coef, s.split_loss_coef, s.spill_loss_coef)
+        loss = local * share + sum(c * a for c, a in zip(coefs, aux) if c) / s.workers
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if dist is not None:
@@ -310,7 +319,8 @@ def _train_loop(rank: int, s: TrainSettings, out_dir: Path | None, dist, parent:
         if len(window) == s.curve_every or step + 1 == s.steps:
             curve.append([step + 1, round(sum(window) / len(window), 5)])
             window.clear()
-        bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux[0].item():.3f}", split=f"{aux[1].item():.3f}", lr=f"{lr_at(step, s):.1e}", refresh=False)
+        bar.set_postfix(loss=f"{ema:.4f}", aux=f"{aux[0].item():.3f}", split=f"{aux[1].item():.3f}",
+                        spill=f"{aux[2].item():.3f}", lr=f"{lr_at(step, s):.1e}", refresh=False)
         last = step + 1 == s.steps
         if lead and ((s.eval_every and (step + 1) % s.eval_every == 0) or last):
             acc = {kk: greedy_accuracy(model, probe, tokenizer, kk)

@@ -113,6 +113,8 @@ class CpuFusedLayerOps(TorchLayerOps):
             return
         self._ok = True
         self._small_linear = ns.small_linear.default if ns.small_linear_supported() else None
+        if self._small_linear is not None and deterministic:
+            self._small_linear = ns.row_linear.default  # the same per-row contract for any number of rows
         self._rms_norm = ns.rms_norm.default
         self._add_rms_norm = ns.add_rms_norm.default
         self._silu_mul = ns.silu_mul.default
@@ -136,10 +138,10 @@ class CpuFusedLayerOps(TorchLayerOps):
             and x.dtype in SMALL_LINEAR_MAX_ROWS
             and x.is_cpu
             and x.dtype == w.dtype
-            and x.is_contiguous()
+            and (x.is_contiguous() or limit < 0)  # batch-invariant: a strided view still takes the row kernel
             and w.is_contiguous()
         ):
-            return self._small_linear(x, w, bias)
+            return self._small_linear(x.contiguous(), w, bias)
         return super().linear(x, w, bias)
 
     def rms_norm(self, x, w, eps):

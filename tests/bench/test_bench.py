@@ -191,11 +191,15 @@ def test_tiny_bench_end_to_end_with_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
-    data = run_bench_cli(tmp_path, "bench.models=[tiny_mixtral]", "bench.peer=false", *TINY)
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_mixtral]", "bench.peer=false", "bench.deterministic=true", *TINY)
     row = _check_common(data, "tiny_mixtral")
     assert row["peer_batched"] is None and row["peer_single"] is None and row["peer_batch1"] is None
     assert all(v is None for v in row["ratios"].values())
     assert data["models"]["tiny_mixtral"]["experts"] == 4
+    det = row["deterministic"]  # the batch-invariant mode on the same workload, and its cost
+    assert det["engine"]["output_tokens"] == row["engine"]["output_tokens"] and _positive(det["batch1"]["tok_s"])
+    assert det["cost_pct_mixed"] == pytest.approx(100 * (1 - det["engine"]["output_tok_s"] / row["engine"]["output_tok_s"]))
+    assert "batch-invariant mode" in data["_stdout"]
 
 
 def test_unknown_bench_key_fails_before_any_work(tmp_path):

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.demo import CHECKPOINT_DIR, demo_checkpoint, demo_prompts
-from litellm_pipeline.demo.network import MixtralForTraining, NetworkConfig
+from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.demo.skills import TASKS, Example, heldout, solve, split_of, training_stream
 from litellm_pipeline.demo.tokenizer import EOS_ID, build_char_tokenizer
 from litellm_pipeline.demo.train import TrainSettings, encode_batch, train
@@ -102,7 +102,7 @@ def test_encode_batch_scores_answers_only():
 
 def test_per_layer_expert_counts_match_uniform_ones():
     torch.manual_seed(0)
-    net = MixtralForTraining(NetworkConfig(vocab_size=47, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+    net = MoeForTraining(NetworkConfig(vocab_size=47, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
                                            num_attention_heads=2, num_key_value_heads=1)).eval()
     ids = torch.randint(4, 47, (2, 7))
     valid = torch.ones_like(ids, dtype=torch.bool)
@@ -133,17 +133,17 @@ def test_char_tokenizer_roundtrip_and_transformers_agree(tmp_path):
 # --- the shipped checkpoint -------------------------------------------------------------------------------
 
 
-def test_shipped_checkpoint_is_a_small_mixtral():
+def test_shipped_checkpoint_is_a_small_qwen3_moe():
     path = demo_checkpoint()
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["model_type"] == "mixtral"
-    assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (8, 2)
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["model_type"] == "qwen3_moe"
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["norm_topk_prob"]) == (8, 2, False)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (path / name).is_file()
     size = sum(f.stat().st_size for f in path.iterdir())
     assert size < 8 * 2**20
     names = set(load_file(path / "model.safetensors"))
-    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in names and "lm_head.weight" in names
+    assert "model.layers.0.mlp.experts.7.down_proj.weight" in names and "lm_head.weight" in names
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
@@ -241,3 +241,31 @@ def test_train_demo_recipe_writes_a_checkpoint_transformers_loads(tmp_path):
     ours = LLM(model=str(ckpt)).generate("rev:abc=", SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
     ids = transformers.AutoTokenizer.from_pretrained(ckpt)("rev:abc=").input_ids
     assert ours[0].token_ids == _hf_greedy(model, ids, 5)[0]
+
+
+def test_a_qwen3_moe_network_without_renormalisation_loads_and_matches(tmp_path):
+    """family qwen3_moe, norm_topk_prob false: a Qwen3MoeForCausalLM checkpoint; transformers and the engine
+    give the training network's own greedy tokens, and at one expert the engine runs what it trained."""
+    settings = TrainSettings(**{**TINY, "family": "qwen3_moe", "norm_topk_prob": False, "split_loss_coef": 0.1})
+    train(settings, tmp_path / "q")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe" and cfg["norm_topk_prob"] is False and cfg["num_experts"] == 8
+    names = set(load_file(tmp_path / "q" / "model.safetensors"))
+    assert {"model.layers.0.mlp.experts.7.down_proj.weight", "model.layers.0.self_attn.q_norm.weight"} <= names
+    net = MoeForTraining(NetworkConfig.from_hf(cfg))
+    net.load_state_dict({k: v.float() for k, v in load_file(tmp_path / "q" / "model.safetensors").items()})
+    net.eval()
+    llm = LLM(model=str(tmp_path / "q"), dtype="float32")
+    prompt = "rev:abc="
+    for tier, k in (("fast", 1), ("balanced", 2), ("max", 8)):
+        (out,) = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=3), tier=tier)
+        ids = torch.tensor([out.prompt_token_ids])
+        with torch.no_grad():
+            logits, _ = net(ids, torch.ones_like(ids, dtype=torch.bool), torch.full_like(ids, k))
+        ref = torch.log_softmax(logits[0, -1], -1)
+        for tok, lp in out.logprobs[0].items():
+            assert abs(lp - float(ref[tok])) < 1e-4, tier
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q", dtype=torch.float32).eval()
+    ours = llm.generate(prompt, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    assert ours[0].token_ids == _hf_greedy(model, ours[0].prompt_token_ids, 5)[0]

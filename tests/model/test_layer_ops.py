@@ -186,25 +186,51 @@ def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
     assert runs["model"] == runs["layer"] == runs["ops"]
 
 
-def test_whole_model_decode_falls_back_for_per_token_expert_limits(hf_checkpoint, fused, monkeypatch):
-    """Requests of different tiers in one step (per-token top-k) run layer by layer; each gets the tokens it gets
-    alone, and a step of one tier takes the one-call path."""
-    llm = LLM(model=str(hf_checkpoint("qwen3_moe")))
+def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, fused, monkeypatch):
+    """Requests of different tiers in one step (per-token top-k, per-layer TierSets) stay on the one-call path;
+    each gets the tokens it gets alone, and the same tokens as op by op."""
+    llm = LLM(model=str(hf_checkpoint("qwen3_moe")), overrides=["+tiers.mix.experts_per_token=[1,4]"])
     engine, model = llm.engine, llm.engine.rt.model
-    plans = []
+    taken = []
     real = model.fused_decode_layers
-    monkeypatch.setattr(model, "fused_decode_layers", lambda *a: plans.append(a[-1]) or real(*a))
-    prompts = random_prompts((6, 9), seed=13)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    alone = [llm.generate([p], params, tier=t)[0].token_ids for p, t in zip(prompts, ("fast", "max"))]
-    assert plans and all(p is None or p.top_k is None for p in plans)
-    plans.clear()
-    reqs = [engine.add_request(p, params, tier=t) for p, t in zip(prompts, ("fast", "max"))]
+    monkeypatch.setattr(model, "fused_decode_layers", lambda *a: taken.append((a[-1], out := real(*a))) or out)
+    prompts = random_prompts((6, 9, 4), seed=13)
+    tiers = ("fast", "max", "mix")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    alone = [llm.generate([p], params, tier=t)[0] for p, t in zip(prompts, tiers)]
+    taken.clear()
+    reqs = [engine.add_request(p, params, tier=t) for p, t in zip(prompts, tiers)]
     while not all(r.finished for r in reqs):
         engine.step()
-    assert [r.output_ids for r in reqs] == alone
-    assert any(p is not None and p.top_k is not None for p in plans)  # the mixed steps were offered, and declined
+    assert [r.output_ids for r in reqs] == [o.token_ids for o in alone]
+    mixed = [out for plan, out in taken if isinstance(plan, tuple) or (plan is not None and plan.top_k is not None)]
+    assert mixed and all(out is not None for out in mixed)  # offered and run in one call
+    monkeypatch.setattr(model, "fused_decode_layers", None)  # op by op: the same tokens and logprobs
+    by_ops = [engine.add_request(p, params, tier=t) for p, t in zip(prompts, tiers)]
+    while not all(r.finished for r in by_ops):
+        engine.step()
+    assert [(r.output_ids, r.logprobs) for r in by_ops] == [(r.output_ids, r.logprobs) for r in reqs]
     assert engine.rt.pool.is_empty()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_fused_route_with_tierset_limits_equals_the_reference(fused, dtype):
+    from litellm_pipeline.model.batch import RoutePlan
+    from litellm_pipeline.model.moe import route_tokens
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 32, generator=g).to(dtype)
+    gate = torch.randn(8, 32, generator=g).to(dtype)
+    top_k = torch.randint(1, 5, (40,), generator=g)
+    allowed = torch.rand(40, 8, generator=g) > 0.3
+    allowed[:, 0] = True
+    for plan in (None, RoutePlan(max_k=3), RoutePlan(top_k=top_k, max_k=4),
+                 RoutePlan(top_k=top_k, max_k=4, allowed=allowed), RoutePlan(max_k=8, allowed=allowed)):
+        for normalize in (True, False):
+            idx, w = fused.route(x, gate, 2, normalize, plan)
+            ref_idx, ref_w = route_tokens(F.linear(x, gate), 2, normalize, plan)
+            assert torch.equal(idx, ref_idx)
+            torch.testing.assert_close(w, ref_w, atol=1e-6, rtol=1e-6)
 
 
 def test_fused_decode_only_with_the_paged_kernel_and_fused_dispatch(hf_checkpoint):

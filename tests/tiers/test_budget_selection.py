@@ -11,7 +11,7 @@ import torch
 
 from litellm_pipeline import LLM, BudgetSpec, SamplingParams
 from litellm_pipeline.demo import CHECKPOINT_DIR
-from litellm_pipeline.demo.network import MixtralForTraining, NetworkConfig
+from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.errors import ConfigError, InvalidRequestError
 from litellm_pipeline.telemetry import MemorySink, RequestCosted, TierSelected
 from litellm_pipeline.tiers.selector import Load
@@ -55,8 +55,7 @@ def test_per_layer_routing_matches_the_training_network():
     from safetensors.torch import load_file
 
     cfg = json.loads((CHECKPOINT_DIR / "config.json").read_text())
-    keys = NetworkConfig.__dataclass_fields__
-    net = MixtralForTraining(NetworkConfig(**{k: v for k, v in cfg.items() if k in keys}))
+    net = MoeForTraining(NetworkConfig.from_hf(cfg))
     net.load_state_dict({k: v.float() for k, v in load_file(CHECKPOINT_DIR / "model.safetensors").items()})
     net.eval()
     llm = LLM(overrides=["+tiers.mixed.experts_per_token=[2,1,4,8]"])

@@ -23,6 +23,12 @@
 #else
 #define LLP_AVX512 0
 #endif
+// AVX-512 BF16 (vdpbf16ps: two bf16 products added into a float32 lane per instruction), used by row_linear
+#if LLP_AVX512 && defined(__AVX512BF16__)
+#define LLP_DPBF16 1
+#else
+#define LLP_DPBF16 0
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -54,8 +60,10 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return widen(_mm256_maskz_loadu_epi16(m, p));
 }
 
-// MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]).
-template <typename T, int MC, int R>
+// MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]). DP (bf16 only): pairs of
+// products through vdpbf16ps instead of widening to float32 and one FMA each (twice the products per
+// instruction; denormal inputs count as zero) -- row_linear's arithmetic, never small_linear's.
+template <typename T, int MC, int R, bool DP = false>
 inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const T* __restrict bias,
                  T* __restrict y, int64_t ldy) {
   __m512 acc[MC][R];
@@ -64,7 +72,24 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   int64_t k = 0;
-  if constexpr (sizeof(T) == 2) {
+#if LLP_DPBF16
+  if constexpr (DP) {
+    static_assert(sizeof(T) == 2, "the dot-product tile is for bfloat16");
+    for (; k < K; k += 32) {
+      const __mmask32 mask = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << (K - k)) - 1);
+      __m512bh wv[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + r * K + k);
+#pragma GCC unroll 4
+      for (int m = 0; m < MC; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
+      }
+    }
+  }
+#endif
+  if constexpr (sizeof(T) == 2 && !DP) {
     // 16-bit weights: a whole cache line (32 values) per row per step, or each row streams at half the rate
     for (; k + 32 <= K; k += 32) {
       __m512 wlo[R], whi[R];
@@ -83,7 +108,7 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
       }
     }
   }
-  for (; k + 16 <= K; k += 16) {
+  for (; !DP && k + 16 <= K; k += 16) {
     __m512 wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k);
@@ -94,7 +119,7 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
-  if (k < K) {
+  if (!DP && k < K) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) wv[r] = load16(w + r * K + k, mask);
@@ -112,13 +137,13 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
 }
 
 // the last < R output rows: one at a time
-template <typename T>
+template <typename T, bool DP>
 inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t ldy) {
-  for (int64_t m = 0; m < M; ++m) tile<T, 1, 1>(x + m * K, K, w, bias, y + m * ldy, ldy);
+  for (int64_t m = 0; m < M; ++m) tile<T, 1, 1, DP>(x + m * K, K, w, bias, y + m * ldy, ldy);
 }
 
 // y[m, o] for all M rows and output rows [o0, o1): R weight rows x 4 input rows per tile
-template <typename T>
+template <typename T, bool DP>
 inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t O, int64_t o0,
                          int64_t o1) {
   constexpr int R = 4;
@@ -127,24 +152,24 @@ inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* 
     const T* wt = w + o * K;
     const T* bt = bias ? bias + o : nullptr;
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<T, 4, R>(x + m * K, K, wt, bt, y + m * O + o, O);
+    for (; m + 4 <= M; m += 4) tile<T, 4, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O);
     switch (M - m) {
-      case 1: tile<T, 1, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
-      case 2: tile<T, 2, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
-      case 3: tile<T, 3, R>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      case 1: tile<T, 1, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      case 2: tile<T, 2, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
+      case 3: tile<T, 3, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
       default: break;
     }
   }
-  for (; o < o1; ++o) tile_rest<T>(x, M, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+  for (; o < o1; ++o) tile_rest<T, DP>(x, M, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
 }
 
-template <typename T>
+template <typename T, bool DP = false>
 void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t O, int64_t o0,
                  int64_t o1) {
   if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
     int64_t o = o0;
-    for (; o + 8 <= o1; o += 8) tile<T, 1, 8>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
-    for (; o < o1; ++o) tile<T, 1, 1>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    for (; o + 8 <= o1; o += 8) tile<T, 1, 8, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    for (; o < o1; ++o) tile<T, 1, 1, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     return;
   }
   // Many rows (a prefill in the batch-invariant mode): blocks of kOB weight rows x kMB input rows, so a weight
@@ -155,14 +180,14 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
   for (int64_t ob = o0; ob < o1; ob += kOB) {
     const int64_t oe = std::min(o1, ob + kOB);
     for (int64_t mb = 0; mb < M; mb += kMB)
-      linear_block<T>(x + mb * K, std::min(kMB, M - mb), K, w, bias, y + mb * O, O, ob, oe);
+      linear_block<T, DP>(x + mb * K, std::min(kMB, M - mb), K, w, bias, y + mb * O, O, ob, oe);
   }
 }
 #endif  // LLP_AVX512
 
 bool small_linear_supported() { return LLP_AVX512; }
 
-at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool dp) {
   TORCH_CHECK(LLP_AVX512, "small_linear: this build has no AVX-512 kernel (use torch linear)");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x [M, K], w [O, K] expected");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
@@ -184,6 +209,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
     const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
+      if constexpr (sizeof(T) == 2 && LLP_DPBF16) {
+        if (dp) return linear_rows<T, true>(xp, wp, bp, yp, M, K, O, b * 8, std::min(O, e * 8));
+      }
       linear_rows<T>(xp, wp, bp, yp, M, K, O, b * 8, std::min(O, e * 8));
     });
   };
@@ -194,6 +222,18 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   }
 #endif
   return y;
+}
+
+// y = x @ w^T (+ bias) for the few rows of a decode step: each output one whole-K float32 dot product.
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return linear_kernel(x, w, bias, false);
+}
+
+// The batch-invariant linear: small_linear's row-by-row arithmetic for any number of rows (blocked for cache
+// reuse on many), in bfloat16 through vdpbf16ps where the CPU has it. A row's result never depends on the other
+// rows; it may differ in the last bits from small_linear's and from torch's GEMM.
+at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  return linear_kernel(x, w, bias, LLP_DPBF16 && x.scalar_type() == at::kBFloat16);
 }
 
 // ---------------------------------------------------------------------------------------------- elementwise
@@ -350,12 +390,13 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Ten
 // ---------------------------------------------------------------------------------------------- MoE experts
 // x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM.
 // max_rows < 0 is the batch-invariant mode: every row gets the arithmetic it gets alone, whatever the other rows
-// are. small_linear computes each output from its own input row only, so it serves any number of rows; without
+// are: row_linear computes each output from its own input row only, so it serves any number of rows; without
 // it (another dtype, no AVX-512) every row is its own one-row GEMM.
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows,
                       const c10::optional<at::Tensor>& bias = c10::nullopt) {
   const bool kernel = LLP_AVX512 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
-  if (kernel && (max_rows < 0 || x.size(0) <= max_rows)) return small_linear(x, w, bias);
+  if (kernel && max_rows < 0) return row_linear(x, w, bias);
+  if (kernel && x.size(0) <= max_rows) return small_linear(x, w, bias);
   if (max_rows >= 0 || x.size(0) <= 1) return at::linear(x, w, bias);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   for (int64_t i = 0; i < x.size(0); ++i) y.narrow(0, i, 1).copy_(at::linear(x.narrow(0, i, 1), w, bias));
@@ -582,6 +623,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
 
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("row_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported", &small_linear_supported);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
@@ -609,6 +651,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
+  m.impl("row_linear", &row_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
