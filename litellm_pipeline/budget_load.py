@@ -21,7 +21,7 @@ from typing import Any
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import ConfigError, InvalidRequestError, format_validation_error
+from litellm_pipeline.errors import ConfigError, InvalidRequestError, OverloadedError, format_validation_error
 from litellm_pipeline.sampling import SamplingParams
 
 
@@ -118,7 +118,9 @@ def run_load(engine, s: LoadSettings, demo: bool) -> dict:
             except InvalidRequestError as exc:
                 if exc.field != "budget":
                     raise
-                results.append({"class": cls, "arrival_s": at, "rejected": True})
+                results.append({"class": cls, "arrival_s": at, "rejected": True, "reason": "budget"})
+            except OverloadedError:  # admitting it would make requests in flight miss their budgets
+                results.append({"class": cls, "arrival_s": at, "rejected": True, "reason": "overloaded"})
         if not engine.has_unfinished():
             time.sleep(max(0.0, min(0.01, arrivals[nxt][0] - now)) if nxt < len(arrivals) else 0.0)
             continue

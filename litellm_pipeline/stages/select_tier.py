@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 
 from litellm_pipeline import registry
-from litellm_pipeline.errors import InvalidRequestError
+from litellm_pipeline.errors import InvalidRequestError, OverloadedError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
 from litellm_pipeline.tiers.latency import LatencyTracker
@@ -55,7 +56,10 @@ class SelectTier(Stage):
             req.budget = rt.budget.default
         prompt = len(req.prompt_ids)
         max_tokens = min(req.params.max_tokens, rt.max_model_len - prompt)
-        sel = self.selector.select(req.tier, req.budget, prompt, max_tokens, self._load())
+        load = self._load()
+        if self.tracker is not None:
+            self._protect_admitted(load)
+        sel = self.selector.select(req.tier, req.budget, prompt, max_tokens, load)
         req.tierset, req.selection = sel.tierset, sel
         req.budget_max_tokens = self._affordable(req, sel.tierset, prompt)
         ctx.tierset = req.tierset
@@ -78,6 +82,31 @@ class SelectTier(Stage):
                 f"token cost {ts.price.of(prompt, 1):.4g} monetary units",
             )
         return None if n == math.inf else int(n)
+
+    def _protect_admitted(self, load: Load) -> None:
+        """Refuse a new request (OverloadedError, 503) if the larger batch it makes would push a request already
+        in flight past its latency budget when that request would keep it otherwise: under overload the requests
+        admitted first keep their budgets instead of every request missing them."""
+        sched = self.rt.scheduler
+        inflight = [r for r in (*sched.running, *sched.waiting)
+                    if r.budget is not None and r.budget.latency_cost_ms is not None]
+        if not inflight or load.batch <= 1:
+            return
+        default = self.selector.default
+        now = time.monotonic()
+        before = self.selector.predict(default, 1, 1, Load(batch=max(1, load.batch - 1))).per_token_ms
+        after = self.selector.predict(default, 1, 1, Load(batch=load.batch)).per_token_ms
+        if after <= before:
+            return
+        for r in inflight:
+            left_ms = (r.arrival - now) * 1e3 + r.budget.latency_cost_ms
+            steps = _output_left(r) + (0 if r.num_computed >= len(r.prompt_ids) else 1)
+            if steps * before <= left_ms < steps * after:
+                raise OverloadedError(
+                    f"the engine is at capacity for latency budgets: one more request would make request "
+                    f"{r.request_id!r} miss its latency_cost_ms={r.budget.latency_cost_ms:g} ({steps} steps left at "
+                    f"{after:.3g} ms instead of {before:.3g} ms each, {left_ms:.3g} ms of its budget left); retry later"
+                )
 
     def _load(self) -> Load:
         """The batch a new request joins and the time before its prefill starts: the prompt work queued ahead

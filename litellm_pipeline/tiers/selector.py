@@ -126,7 +126,19 @@ class TierSetSelector:
         return Prediction(p.latency_ms * f, p.per_token_ms * g, p.monetary, p.quality) if (f, g) != (1.0, 1.0) else p
 
     def _factors(self, tier: str | None, batch: int) -> tuple[float, float]:
-        return self.tracker.factors(tier, batch) if self.tracker is not None else (1.0, 1.0)
+        """(end-to-end, inter-token) corrections: what requests took against their predictions, raised to what
+        engine steps at this batch took against the predicted step time where that says more (steps are
+        measured every few milliseconds, requests only when they finish)."""
+        if self.tracker is None:
+            return 1.0, 1.0
+        f, g = self.tracker.factors(tier, batch)
+        measured = self.tracker.step_ms(batch)
+        if measured is not None:
+            base = self.cost.predict(self.default, 1, 1, batch).per_token_ms
+            if base > 0:
+                s = measured / base
+                f, g = max(f, s), max(g, s)
+        return f, g
 
     def solved_tierset(self, ks: tuple[int, ...]) -> TierSet:
         """A configured tier when one has exactly these counts (and no expert restriction), else a new one."""

@@ -91,3 +91,28 @@ def test_a_full_engine_predicts_the_wait_for_a_slot():
     for r in reqs:
         llm.engine.abort(r.request_id)
     assert llm.engine.rt.pool.is_empty()
+
+
+def test_measured_step_times_correct_the_predictions():
+    from litellm_pipeline import LLM
+    from litellm_pipeline.telemetry.events import StepFinished
+    from litellm_pipeline.tiers.latency import LatencyTracker
+    from litellm_pipeline.tiers.selector import Load
+
+    tr = LatencyTracker()
+    assert tr.step_ms(8) is None
+    for _ in range(5):
+        tr.publish(StepFinished(batch_size=8, prefill_tokens=0, decode_tokens=8, duration_s=0.012, num_running=8,
+                                num_waiting=0, free_blocks=10))
+    tr.publish(StepFinished(batch_size=1, prefill_tokens=30, decode_tokens=0, duration_s=5.0, num_running=1,
+                            num_waiting=0, free_blocks=10))  # a prefill-only step says nothing about decode
+    assert abs(tr.step_ms(8) - 12.0) < 1e-6 and abs(tr.step_ms(64) - 12.0) < 1e-6  # nearest bucket seen
+
+    llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced"])
+    stage = next(s for s in llm.engine.request_stages if type(s).__name__ == "SelectTier")
+    sel, load = stage.selector, Load(batch=8)
+    plain = sel.predict(sel.default, 5, 10, load)  # nothing measured yet: the cost model alone
+    sel.tracker = tr
+    slow = sel.predict(sel.default, 5, 10, load)
+    assert slow.per_token_ms >= 12.0 - 1e-6 > plain.per_token_ms  # the measured step time wins
+    assert slow.latency_ms > plain.latency_ms

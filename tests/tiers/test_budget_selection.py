@@ -219,5 +219,9 @@ def test_latency_estimates_follow_what_requests_took(balanced):
     ts = balanced.engine.rt.tiers["balanced"]
     raw = sel.cost.predict(ts, 7, 4, 1)
     now = sel.predict(ts, 7, 4, Load())
-    f, g = tracker.factors("balanced", 1)
+    f, g = sel._factors("balanced", 1)
     assert now.latency_ms == pytest.approx(raw.latency_ms * f) and now.per_token_ms == pytest.approx(raw.per_token_ms * g)
+    # the requests' own factors, raised where the measured step time says more
+    rf, rg = tracker.factors("balanced", 1)
+    assert f >= rf and g >= rg
+    assert g == pytest.approx(max(rg, tracker.step_ms(1) / sel.cost.predict(sel.default, 1, 1, 1).per_token_ms))
