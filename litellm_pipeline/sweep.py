@@ -185,7 +185,9 @@ def load_results(sweep_dir: str | Path) -> list[dict]:
     root = Path(sweep_dir)
     if not root.is_dir():
         raise ConfigError(f"report.sweep_dir: {root} is not a directory")
-    found = sorted(root.rglob("sweep.json"), key=lambda p: [int(x) if x.isdigit() else x for x in p.parts])
+    # numeric folder names in numeric order (2 before 10), named ones after them: Hydra's job numbers and any
+    # subdir pattern a user picks can share one sweep folder
+    found = sorted(root.rglob("sweep.json"), key=lambda p: [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in p.parts])
     if not found:
         raise ConfigError(f"report.sweep_dir: no sweep.json under {root} (run `python -m litellm_pipeline -m "
                           "+recipe=sweep ...` first)")

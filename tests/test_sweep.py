@@ -91,3 +91,12 @@ def test_report_without_a_sweep_dir_names_the_key(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "litellm_pipeline", "+recipe=report", f"report.sweep_dir={tmp_path}",
                            f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "no sweep.json under" in proc.stderr
+
+
+def test_results_load_in_job_order_whatever_the_folder_names(tmp_path):
+    from litellm_pipeline.sweep import load_results
+
+    for name in ("10", "2", "b1", "b0"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sweep.json").write_text(json.dumps({"job": name}))
+    assert [r["job"] for r in load_results(tmp_path)] == ["2", "10", "b0", "b1"]
