@@ -126,11 +126,17 @@ def test_latency_tracker_follows_measurements_per_tier_and_bucket():
     e2e, tok = t.factors("balanced", 4)  # same bucket
     assert e2e == pytest.approx(3.0) and tok == pytest.approx(2.0)
     assert t.factors("fast", 3) == pytest.approx((3.0, 2.0))  # no data for fast: the bucket's factor
-    assert t.factors("balanced", 1) == (1.0, 1.0)  # another bucket
+    # another bucket without data: the nearest bucket seen (here the only one) stands in for it
+    assert t.factors("balanced", 1) == pytest.approx((3.0, 2.0))
+    costed("balanced", 1, 10.0, 15.0, tok=1.5)
+    assert t.factors("balanced", 1) == pytest.approx((1.5, 1.5))  # its own once measured
+    assert t.factors("max", 2) == pytest.approx((3.0, 2.0))  # 2 is as near to 1 as to 4: the larger wins
+    assert t.factors("max", 64) == pytest.approx((3.0, 2.0))  # far away, still the nearest
     costed("balanced", 3, 10.0, 1e6)  # one stall is clipped to 20x
     assert t.factors("balanced", 3)[0] < 20.0
     t.publish(RequestCosted("r", "balanced", 3, 10.0, 1.0, 10.0, None))  # a one-token output: e2e only
     assert t.observations("balanced", 3) == 3
+    assert LatencyTracker().factors("balanced", 3) == (1.0, 1.0)  # nothing measured at all
 
 
 def test_tierset_views():
