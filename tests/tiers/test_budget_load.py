@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from litellm_pipeline.budget_load import BudgetClass, LoadSettings, format_report, run_load
 
 
@@ -116,3 +118,29 @@ def test_measured_step_times_correct_the_predictions():
     slow = sel.predict(sel.default, 5, 10, load)
     assert slow.per_token_ms >= 12.0 - 1e-6 > plain.per_token_ms  # the measured step time wins
     assert slow.latency_ms > plain.latency_ms
+
+
+def test_a_request_that_would_make_one_in_flight_miss_its_budget_is_refused(monkeypatch):
+    from litellm_pipeline import LLM, SamplingParams
+    from litellm_pipeline.errors import OverloadedError
+    from litellm_pipeline.tiers.cost_model import Prediction
+
+    llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced"])
+    engine = llm.engine
+    stage = next(s for s in engine.request_stages if type(s).__name__ == "SelectTier")
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    first = engine.add_request("a3,b7;b", params, budget={"latency_cost_ms": 60_000})
+    engine.step()
+    # a step at batch 2 predicted 10x slower than at batch 1: 19 steps fit the first request's budget
+    # at 1 s each but not at 10 s each
+    real = stage.selector.predict
+    fake = lambda ts, p, m, load: Prediction(0.0, 1000.0 if load.batch <= 1 else 10_000.0, 0.0, 0.0)  # noqa: E731
+    monkeypatch.setattr(stage.selector, "predict", fake)
+    with pytest.raises(OverloadedError, match=r"would make request 'req-\d+' miss its latency_cost_ms=60000"):
+        engine.add_request("c1,d2;c", params)
+    monkeypatch.setattr(stage.selector, "predict", real)
+    second = engine.add_request("c1,d2;c", params)  # with the real step times it fits
+    while not (first.finished and second.finished):
+        engine.step()
+    assert first.cost.budget_met["latency_cost_ms"]
+    assert engine.rt.pool.is_empty()
