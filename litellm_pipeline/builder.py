@@ -165,7 +165,8 @@ def budget_policy(app: AppConfig) -> BudgetPolicy:
     limits = {k: getattr(b, k) for k in ("latency_cost_ms", "latency_per_token_ms", "monetary_cost_units")}
     default = BudgetSpec(**limits) if any(v is not None for v in limits.values()) else None
     w = b.weights
-    return BudgetPolicy(b.solver, b.on_infeasible, Weights(w.quality, w.latency, w.monetary), default)
+    return BudgetPolicy(b.solver, b.on_infeasible, Weights(w.quality, w.latency, w.monetary), default,
+                        b.latency_headroom)
 
 
 def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:

@@ -112,6 +112,7 @@ class BudgetSection(_Section):
     choices: list[int] | None = None  # expert counts a layer may take; null: those of the configured tiers
     weights: WeightsSection = WeightsSection()
     analytic: AnalyticSection = AnalyticSection()
+    latency_headroom: float = Field(default=0.2, ge=0, lt=1)  # share of a latency budget not planned with
     latency_cost_ms: float | None = _Limit
     latency_per_token_ms: float | None = _Limit
     monetary_cost_units: float | None = _Limit

@@ -46,6 +46,7 @@ class SelectTier(Stage):
         self.selector = TierSetSelector(
             rt.tiers, rt.cost_model, registry.get("budget_solver", b.solver)(), rt.model_cfg.num_experts,
             mode=mode, default_tier=tier, on_infeasible=b.on_infeasible, weights=b.weights, tracker=self.tracker,
+            latency_headroom=b.latency_headroom,
         )
 
     def __call__(self, ctx: RequestContext) -> None:
@@ -58,7 +59,7 @@ class SelectTier(Stage):
         max_tokens = min(req.params.max_tokens, rt.max_model_len - prompt)
         load = self._load()
         if self.tracker is not None:
-            self._protect_admitted(load)
+            self._protect_admitted(load, prompt)
         sel = self.selector.select(req.tier, req.budget, prompt, max_tokens, load)
         req.tierset, req.selection = sel.tierset, sel
         req.budget_max_tokens = self._affordable(req, sel.tierset, prompt)
@@ -83,29 +84,34 @@ class SelectTier(Stage):
             )
         return None if n == math.inf else int(n)
 
-    def _protect_admitted(self, load: Load) -> None:
-        """Refuse a new request (OverloadedError, 503) if the larger batch it makes would push a request already
-        in flight past its latency budget when that request would keep it otherwise: under overload the requests
-        admitted first keep their budgets instead of every request missing them."""
+    def _protect_admitted(self, load: Load, prompt_tokens: int) -> None:
+        """Refuse a new request (OverloadedError, 503) if what it adds to the steps of the requests already in
+        flight (its prefill once, and one more decode row in every step) would push one of them past its latency
+        budget when that request would keep it otherwise: under overload the requests admitted first keep their
+        budgets instead of every request missing them. A request in flight also waits through the prompt work
+        already queued (chunks share its steps), and every step is measured with what the serving loop spends
+        between steps."""
         sched = self.rt.scheduler
         inflight = [r for r in (*sched.running, *sched.waiting)
                     if r.budget is not None and r.budget.latency_cost_ms is not None]
-        if not inflight or load.batch <= 1:
+        if not inflight:
             return
         default = self.selector.default
         now = time.monotonic()
-        before = self.selector.predict(default, 1, 1, Load(batch=max(1, load.batch - 1))).per_token_ms
+        ahead = min(len(sched.running) + len(sched.waiting), sched.max_num_seqs)  # the batch without the newcomer
+        before = self.selector.predict(default, 1, 1, Load(batch=max(1, ahead))).per_token_ms
         after = self.selector.predict(default, 1, 1, Load(batch=load.batch)).per_token_ms
-        if after <= before:
-            return
+        prefill_ms = self.selector.prefill_ms(prompt_tokens)
+        queued_ms = self.selector.prefill_ms(_queued_prompt_tokens(sched))
         for r in inflight:
-            left_ms = (r.arrival - now) * 1e3 + r.budget.latency_cost_ms
+            left_ms = (r.arrival - now) * 1e3 + r.budget.latency_cost_ms * self.selector.plan_share - queued_ms
             steps = _output_left(r) + (0 if r.num_computed >= len(r.prompt_ids) else 1)
-            if steps * before <= left_ms < steps * after:
+            if steps * before <= left_ms < steps * after + prefill_ms:
                 raise OverloadedError(
                     f"the engine is at capacity for latency budgets: one more request would make request "
                     f"{r.request_id!r} miss its latency_cost_ms={r.budget.latency_cost_ms:g} ({steps} steps left at "
-                    f"{after:.3g} ms instead of {before:.3g} ms each, {left_ms:.3g} ms of its budget left); retry later"
+                    f"{after:.3g} ms instead of {before:.3g} ms each, and {prefill_ms:.3g} ms for the new prompt; "
+                    f"{left_ms:.3g} ms of its budget left); retry later"
                 )
 
     def _load(self) -> Load:
@@ -118,12 +124,15 @@ class SelectTier(Stage):
         slots = sched.max_num_seqs
         batch = min(len(running) + len(waiting) + 1, slots)
         default = self.selector.default
-        queued = sum(max(0, len(r.prompt_ids) - r.num_computed) for r in (*running, *waiting))
-        wait_ms = queued * self.rt.cost_model.prefill_ms_per_token(default)
+        wait_ms = self.selector.prefill_ms(_queued_prompt_tokens(sched))
         if len(running) + len(waiting) >= slots:
             step_ms = self.selector.predict(default, 1, 1, Load(batch=slots)).per_token_ms
             wait_ms += steps_until_free_slot(running, waiting, slots) * step_ms
         return Load(batch=batch, wait_ms=wait_ms)
+
+
+def _queued_prompt_tokens(sched) -> int:
+    return sum(max(0, len(r.prompt_ids) - r.num_computed) for r in (*sched.running, *sched.waiting))
 
 
 def _output_left(req) -> int:

@@ -3,18 +3,20 @@
 A sink on the event bus (subscribed by the select_tier stage in the modes that decide by predicted latency):
 for every finished request it folds ``actual / predicted`` end-to-end and inter-token latency into an
 exponentially weighted mean (in log space, each observation clipped to 1/20..20 so a cold start or one
-stall cannot swamp it), per TierSet and decode-batch bucket and per bucket over all TierSets; and for every
-engine step its duration per batch bucket, which is known long before the first request under a new load
-finishes. The selector multiplies its predictions by these factors (and by measured / predicted step time
-where that is larger).
+stall cannot swamp it), per TierSet and decode-batch bucket and per bucket over all TierSets; and every
+engine step's duration into a :class:`~litellm_pipeline.tiers.step_model.StepModel` (a line in decode rows
+and prefill tokens), which is known long before the first request under a new load finishes. The selector
+multiplies its predictions by these factors (and by measured / predicted step time where that is larger).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 
 from litellm_pipeline.telemetry.events import Event, RequestCosted, StepFinished
+from litellm_pipeline.tiers.step_model import StepModel
 
 _CLIP = math.log(20.0)
 
@@ -47,15 +49,22 @@ class LatencyTracker:
         self.alpha = alpha
         self._e2e: dict[tuple[str | None, int], _Ewma] = {}
         self._tok: dict[tuple[str | None, int], _Ewma] = {}
-        self._steps: dict[int, _Ewma] = {}  # measured engine step time (ms, log space) per batch bucket
+        self._steps = StepModel()  # measured engine step times
+        # wall time from one step's end to the next one's over the step itself, while the engine has work:
+        # what admitting (and refusing) requests and the serving loop add to every step a request waits through
+        self._duty = _Ewma()
+        self._last_end: float | None = None  # perf_counter at the end of the last step that left work pending
         self._lock = threading.Lock()
 
     def publish(self, event: Event) -> None:
         if type(event) is StepFinished:
-            if event.decode_tokens and event.batch_size:
-                with self._lock:
-                    step = self._steps.setdefault(bucket(event.batch_size), _Ewma())
-                    step.add(max(event.duration_s * 1e3, 1e-3), self.alpha)
+            now = time.perf_counter()
+            with self._lock:
+                if event.decode_tokens or event.prefill_tokens:
+                    self._steps.add(event.decode_tokens, event.prefill_tokens, event.duration_s * 1e3)
+                    if self._last_end is not None and event.duration_s > 0:
+                        self._duty.add(max(1.0, (now - self._last_end) / event.duration_s), 0.5 * self.alpha)
+                self._last_end = now if event.num_running + event.num_waiting else None
             return
         if type(event) is not RequestCosted:
             return
@@ -85,16 +94,19 @@ class LatencyTracker:
                 out.append(e.factor if e is not None else 1.0)
         return out[0], out[1]
 
-    def step_ms(self, batch: int) -> float | None:
-        """The measured time of an engine step with ``batch`` requests (its bucket, else the nearest bucket seen,
-        a larger one on a tie), or None before any step was measured. Steps that also prefill other requests'
-        prompts count too: under load that is what a decode step costs."""
-        b = bucket(batch)
+    def step_ms(self, batch: int, prefill_tokens: int = 0) -> float | None:
+        """The measured time of an engine step with ``batch`` decode rows (and ``prefill_tokens`` prompt tokens),
+        from the line fitted through the recent steps; None before any step was measured."""
         with self._lock:
-            if not self._steps:
-                return None
-            near = b if b in self._steps else min(self._steps, key=lambda s: (abs(s.bit_length() - b.bit_length()), -s))
-            return self._steps[near].factor  # exp of the mean log: a geometric mean of the step times
+            ms = self._steps.predict(batch, prefill_tokens)
+            return None if ms is None else ms * self._duty.factor
+
+    def prefill_ms(self, tokens: int) -> float | None:
+        """What prefilling ``tokens`` prompt tokens adds to a step, measured (None before a step prefilled
+        anything)."""
+        with self._lock:
+            ms = self._steps.prefill_ms(tokens)
+            return None if ms is None else ms * self._duty.factor
 
     def observations(self, tier: str | None, batch: int) -> int:
         e = self._e2e.get((tier, bucket(batch)))

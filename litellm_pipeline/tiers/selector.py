@@ -46,6 +46,7 @@ class BudgetPolicy:
     on_infeasible: Literal["reject", "cheapest"] = "reject"
     weights: Weights = Weights()
     default: BudgetSpec | None = None  # the budget of requests that bring none
+    latency_headroom: float = 0.0  # share of a latency budget the solvers and the in-flight guard leave unplanned
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class TierSetSelector:
         on_infeasible: Literal["reject", "cheapest"] = "reject",
         weights: Weights = Weights(),
         tracker: LatencyTracker | None = None,
+        latency_headroom: float = 0.0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode: {mode!r} is not a select_tier mode; allowed: {', '.join(MODES)}")
@@ -99,6 +101,7 @@ class TierSetSelector:
         self.mode, self.default, self.on_infeasible, self.weights = mode, tiers[default_tier], on_infeasible, weights
         self.num_experts = num_experts
         self.tracker = tracker
+        self.plan_share = 1.0 - latency_headroom  # of a latency limit, what a plan may use
         layers = len(cost_model.layers)
         # every expert in every layer: the configured tier that says so (with its name and price), if any
         self.full = self.solved_tierset((num_experts,) * layers) if layers else self.default
@@ -140,6 +143,12 @@ class TierSetSelector:
                 f, g = max(f, s), max(g, s)
         return f, g
 
+    def prefill_ms(self, tokens: int) -> float:
+        """What prefilling ``tokens`` prompt tokens adds to the engine's steps: measured by the tracker where it
+        has seen prefills, else the cost model's estimate at the default TierSet."""
+        measured = self.tracker.prefill_ms(tokens) if self.tracker is not None and tokens else None
+        return measured if measured is not None else tokens * self.cost.prefill_ms_per_token(self.default)
+
     def solved_tierset(self, ks: tuple[int, ...]) -> TierSet:
         """A configured tier when one has exactly these counts (and no expert restriction), else a new one."""
         for t in self.tiers.values():
@@ -167,7 +176,9 @@ class TierSetSelector:
         if (f, g) != (1.0, 1.0):
             layers = [tuple(Option(o.k, (o.costs[0] * f, o.costs[1] * g, o.costs[2]), o.value) for o in opts)
                       for opts in layers]
-        return Problem(tuple(layers), _limits(budget), ((fixed_lat + load.wait_ms) * f, fixed_tok * g, 0.0))
+        lat, tok, money = _limits(budget)
+        limits = (None if lat is None else lat * self.plan_share, None if tok is None else tok * self.plan_share, money)
+        return Problem(tuple(layers), limits, ((fixed_lat + load.wait_ms) * f, fixed_tok * g, 0.0))
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _checked(self, ts, budget, prompt_tokens, max_tokens, load, mode) -> Selection:

@@ -225,3 +225,23 @@ def test_latency_estimates_follow_what_requests_took(balanced):
     rf, rg = tracker.factors("balanced", 1)
     assert f >= rf and g >= rg
     assert g == pytest.approx(max(rg, tracker.step_ms(1) / sel.cost.predict(sel.default, 1, 1, 1).per_token_ms))
+
+
+def test_latency_headroom_keeps_a_share_of_the_budget_out_of_the_plan():
+    """The solver plans for latency_cost_ms x (1 - budget.latency_headroom): a budget the deepest TierSet just
+    fits without headroom buys a cheaper one with it, and one that only fits without is refused with it."""
+    tight = make("deep", "budget.latency_headroom=0")
+    roomy = make("deep", "budget.latency_headroom=0.5")
+    sel_t = next(s for s in tight.engine.request_stages if type(s).__name__ == "SelectTier").selector
+    full = sel_t.predict(sel_t.full, 5, 8, Load()).latency_ms
+    budget = BudgetSpec(latency_cost_ms=full * 1.01)
+    assert sel_t.select(None, budget, 5, 8).tierset.experts_per_layer == sel_t.full.experts_per_layer
+    sel_r = next(s for s in roomy.engine.request_stages if type(s).__name__ == "SelectTier").selector
+    got = sel_r.select(None, budget, 5, 8)
+    assert sum(got.tierset.experts_per_layer) < sum(sel_r.full.experts_per_layer)
+    assert got.predicted.latency_ms <= full * 1.01 * 0.5 + 1e-9
+    cheapest = sel_r.predict(sel_r.solved_tierset((1,) * 4), 5, 8, Load()).latency_ms
+    with pytest.raises(InvalidRequestError, match="latency_cost_ms"):
+        sel_r.select(None, BudgetSpec(latency_cost_ms=cheapest * 1.5), 5, 8)  # fits, but not in half of it
+    with pytest.raises(ConfigError, match="budget.latency_headroom"):
+        make("deep", "budget.latency_headroom=1")
