@@ -157,6 +157,21 @@ class TelemetrySection(_Section):
         return self
 
 
+class ServerSection(_Section):
+    """The HTTP server of ``+recipe=serve`` (conf/server)."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    served_model_name: str | None = Field(default=None, min_length=1)  # None: the checkpoint folder's name
+    owned_by: str = "litellm_pipeline"
+    drain_timeout_s: float = Field(default=30.0, ge=0, allow_inf_nan=False)
+    max_n: int = Field(default=8, ge=1, le=256)
+    max_prompts: int = Field(default=64, ge=1, le=4096)
+    max_body_bytes: int = Field(default=1_048_576, ge=1024)
+    max_header_bytes: int = Field(default=16_384, ge=1024)
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+
+
 class AppConfig(_Section):
     task: str | None = None
     prompt: str | None = None
@@ -171,6 +186,7 @@ class AppConfig(_Section):
     budget: BudgetSection = BudgetSection()
     cache: CacheSection = CacheSection()
     telemetry: TelemetrySection = TelemetrySection()
+    server: ServerSection = ServerSection()
     # task-specific sections: validated by the task that reads them
     bench: dict[str, Any] | None = None
     train: dict[str, Any] | None = None
@@ -180,6 +196,7 @@ class AppConfig(_Section):
     sweep: dict[str, Any] | None = None
     report: dict[str, Any] | None = None
     budget_load: dict[str, Any] | None = None
+    loadtest: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         try:

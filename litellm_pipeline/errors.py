@@ -30,6 +30,7 @@ __all__ = [
     "OverloadedError",
     "InternalError",
     "format_validation_error",
+    "format_error_list",
     "range_message",
 ]
 
@@ -202,8 +203,14 @@ def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> 
     List indices are written ``key[i]``. Errors raised by our own validators keep their text (pydantic's
     ``"Value error, "`` prefix is dropped); built-in constraint errors are rephrased as ``must be >= 0``.
     """
+    return format_error_list(err.errors(), prefix)
+
+
+def format_error_list(errors: list[dict[str, Any]], prefix: str = "") -> str:
+    """:func:`format_validation_error` over pydantic's error dicts (e.g. FastAPI's ``RequestValidationError``
+    has the list but no ``ValidationError``)."""
     lines = []
-    for e in err.errors():
+    for e in errors:
         path = _path(tuple(e.get("loc", ())), prefix)
         inner = (e.get("ctx") or {}).get("error")
         if isinstance(inner, InvalidValueError):  # a nested self-formatting model: list its own lines

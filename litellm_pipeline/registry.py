@@ -63,6 +63,7 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.tiers.solvers",
     "litellm_pipeline.sampling.samplers",
     "litellm_pipeline.telemetry.bus",
+    "litellm_pipeline.telemetry.prometheus",
     "litellm_pipeline.engine.scheduler",
     "litellm_pipeline.engine.kv_policy",
     "litellm_pipeline.stages",

@@ -83,7 +83,28 @@ def generate(cfg: DictConfig) -> list:
             f"[summary] prompt_tokens={len(r.prompt_token_ids)} output_tokens={len(r.token_ids)} "
             f"finish={r.finish_reason} tier={r.tier}{cost} tokens/s={total_out / elapsed:.1f} (batch of {len(reqs)})"
         )
+    write_metrics(engine)
     return results
+
+
+def write_metrics(engine) -> None:
+    """With ``telemetry=prometheus``: the run's metrics in the Prometheus text format, in the run's folder."""
+    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.telemetry.prometheus import PrometheusSink
+
+    sink = engine.bus.sink(PrometheusSink)
+    if sink is not None:
+        print(f"\nmetrics (Prometheus text format): {sink.write(output_dir() / 'metrics.prom')}")
+
+
+@task("serve")
+def serve(cfg: DictConfig) -> None:
+    """The OpenAI-compatible HTTP server (see litellm_pipeline.server); runs until SIGTERM/SIGINT drains it."""
+    from litellm_pipeline.builder import to_plain
+    from litellm_pipeline.config_schema import validate_config
+    from litellm_pipeline.server.serve import serve as run_server
+
+    run_server(validate_config(to_plain(cfg)))
 
 
 @task("bench")
@@ -165,3 +186,14 @@ def faults(cfg: DictConfig) -> dict:
     if result["failures"]:
         sys.exit(1)
     return result
+
+
+@task("loadtest")
+def loadtest(cfg: DictConfig) -> dict:
+    """The HTTP server under a streaming Poisson load vs the same load in-process (see litellm_pipeline.loadtest)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from litellm_pipeline.loadtest import run_loadtest
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return run_loadtest(cfg, overrides)

@@ -231,6 +231,7 @@ class Engine:
                 self.bus.publish(RequestCosted(
                     req.request_id, c.tier, req.selection.load.batch, c.predicted_latency_ms,
                     c.predicted_per_token_ms, c.latency_ms, c.per_token_ms,
+                    tuple(k for k, kept in c.budget_met.items() if not kept),
                 ))
             self.bus.publish(
                 RequestFinished(
@@ -246,13 +247,18 @@ class Engine:
             prompt_part = max(0, min(n, len(req.prompt_ids) - (req.num_computed - n)))
             prefill += prompt_part
             decode += n - prompt_part
-        sched = self.rt.scheduler
+        sched, pool = self.rt.scheduler, self.rt.pool
         self.bus.publish(
             StepFinished(
                 len(schedule), prefill, decode, time.perf_counter() - t0,
-                len(sched.running), len(sched.waiting), self.rt.pool.num_free,
+                len(sched.running), len(sched.waiting), pool.num_free, pool.num_blocks - pool.num_free,
+                self._warm_used(),
             )
         )
+
+    def _warm_used(self) -> int:
+        warm = self.rt.kv.warm  # O(1): slots in use are those an allocation cannot get
+        return warm.pool.num_blocks - warm.pool.num_free if warm is not None else 0
 
     # ---- control ------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -265,7 +271,11 @@ class Engine:
             self.rt.scheduler.finish(req)
             req.status = RequestStatus.FINISHED
             if self.bus.enabled:
-                self.bus.publish(RequestAborted(req.request_id, req.tenant, len(req.output_ids)))
+                sched, pool = self.rt.scheduler, self.rt.pool
+                self.bus.publish(RequestAborted(
+                    req.request_id, req.tenant, len(req.output_ids), len(sched.running), len(sched.waiting),
+                    pool.num_blocks - pool.num_free, self._warm_used(),
+                ))
             return request_output(req)
 
     def end_session(self, session_id: str) -> bool:

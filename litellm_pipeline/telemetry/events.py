@@ -108,6 +108,7 @@ class RequestCosted(Event):
     predicted_per_token_ms: float
     latency_ms: float
     per_token_ms: float | None  # None for a one-token output
+    budget_missed: tuple[str, ...] = ()  # the budget limits the actual values broke (BudgetSpec field names)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +126,17 @@ class RequestFinished(Event):
 
 @dataclass(frozen=True, slots=True)
 class RequestAborted(Event):
+    """A request was cancelled. It also carries the engine's state right after the abort: no step may follow
+    (an idle server whose last client went away), and gauges read from ``step`` events alone would go stale."""
+
     kind: ClassVar[str] = "aborted"
     request_id: str
     tenant: str
     output_tokens: int
+    num_running: int = 0
+    num_waiting: int = 0
+    used_blocks: int = 0  # hot blocks referenced by requests (cached but unreferenced ones are not used)
+    warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +192,5 @@ class StepFinished(Event):
     num_running: int  # after the step
     num_waiting: int
     free_blocks: int  # hot blocks an allocation could get
+    used_blocks: int = 0  # hot blocks referenced by requests (num_blocks - free_blocks)
+    warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests

@@ -1,0 +1,164 @@
+"""The request bodies of the OpenAI-compatible API, as pydantic models (FastAPI validates and documents them).
+
+These models check *types* (strictly: ``true`` is not a number, ``1.5`` is not an integer, ``"0.5"`` is not a
+float) and the shape of the prompt or messages. Value *ranges* of the sampling fields are
+:class:`~litellm_pipeline.sampling.SamplingParams`' job, so the limits live in one place; the request is turned
+into :class:`~litellm_pipeline.request_spec.RequestSpec` objects by :mod:`litellm_pipeline.server.specs`.
+
+Beyond OpenAI's fields a body may carry the runtime's own: ``tier``, ``budget`` (a BudgetSpec mapping),
+``session_id``, ``priority``, ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+Unknown fields are refused (a typo like ``max_token`` must not be silently ignored); OpenAI fields this server
+does not implement are refused by name unless they hold their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+# OpenAI fields not implemented here, with the values that mean "not used" (those are accepted)
+_NEUTRAL: dict[str, tuple] = {
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Common(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the served model
+    n: int = Field(default=1, ge=1)  # the server's cap (server.max_n) is checked when the specs are built
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # accepted and ignored (OpenAI's end-user id)
+    # the runtime's own fields
+    tier: str | None = None
+    budget: dict[str, Any] | None = None
+    session_id: str | None = None
+    priority: int = 0
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    # refused unless neutral (see _NEUTRAL)
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+
+    @field_validator(*_NEUTRAL, mode="before")
+    @classmethod
+    def _not_implemented(cls, v: Any, info) -> Any:
+        if not any(v == ok and type(v) is type(ok) for ok in _NEUTRAL[info.field_name]):
+            raise ValueError("is not supported by this server")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_Common):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either (one choice set each)."""
+
+    prompt: Any
+    max_tokens: int | None = None  # None: 16, or what the context leaves
+    logprobs: int | None = None  # the top-k alternatives per token (0: only the sampled token's)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or is_ids(v):  # [] is an empty id list: the engine says the prompt is empty
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str) or (is_ids(p) and p) for p in v):
+            return v
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of strings / token-id lists")
+
+
+class TextPart(_Strict):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self):
+        if self.type != "text" or self.text is None:
+            raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+        return self
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates read it (text parts joined by newlines, as vLLM does)."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(p.text or "" for p in content)
+        msg: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
+        if self.name is not None:
+            msg["name"] = self.name
+        return msg
+
+
+class ChatCompletionRequest(_Common):
+    """``POST /v1/chat/completions``: ``messages`` rendered with the checkpoint's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens; both accepted
+    max_completion_tokens: int | None = None  # None: what the context leaves
+    logprobs: bool = False
+    top_logprobs: int | None = None  # needs logprobs: true
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError(
+                f"max_tokens: {self.max_tokens} and max_completion_tokens {self.max_completion_tokens} disagree "
+                "(send one of them)"
+            )
+        return self
+

@@ -1,0 +1,140 @@
+"""Engine outputs -> OpenAI response bodies and stream chunks (plain dicts; FastAPI serialises them).
+
+A :class:`ChoiceState` follows one engine request through its deltas: the text so far, the logprobs entries
+of the tokens that arrived (OpenAI's completions and chat formats differ), and the final output with its cost.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable
+
+from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.tokenizer import Tokenizer
+
+__all__ = ["ChoiceState", "TokenText", "usage", "completion_body", "chat_body", "chunk"]
+
+
+class TokenText:
+    """Each token id's own text (special tokens included), as logprobs show it; memoised per id."""
+
+    def __init__(self, tok: Tokenizer):
+        self._text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
+            lambda i: tok.decode([i], skip_special_tokens=False))
+
+    def __call__(self, token_id: int) -> str:
+        return self._text(token_id)
+
+
+@dataclass
+class ChoiceState:
+    """One choice (one engine request) of an API request."""
+
+    index: int
+    prompt_index: int
+    chat: bool
+    top_k: int | None  # logprobs asked for (alternatives per token), None: no logprobs
+    text: str = ""
+    final: RequestOutput | None = None
+    offset: int = 0  # completions' text_offset of the next token
+    # completions format
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+    # chat format
+    content: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, out: RequestOutput, token_text: TokenText) -> tuple[str, dict | None]:
+        """Take one delta; returns its text and its logprobs in this choice's format (None if not asked)."""
+        self.text += out.delta_text
+        if out.finished:
+            self.final = out
+        if self.top_k is None or out.logprobs is None:
+            return out.delta_text, None
+        # out.logprobs is the request's whole (growing) list: this delta's tokens are its tail
+        start = len(out.token_ids) - len(out.delta_token_ids)
+        entries = [self._entry(t, out.logprobs[start + k], token_text) for k, t in enumerate(out.delta_token_ids)]
+        if self.chat:
+            self.content += entries
+            return out.delta_text, {"content": entries}
+        delta = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, lp, top in entries:
+            for key, value in zip(delta, (token, lp, top, self.offset)):
+                delta[key].append(value)
+            self.offset += len(token)
+        for key in delta:
+            getattr(self, key).extend(delta[key])
+        return out.delta_text, delta
+
+    def _entry(self, token_id: int, lps: dict[int, float], token_text: TokenText):
+        token, lp = token_text(token_id), float(lps.get(token_id, float("-inf")))
+        # the engine's dict holds the sampled token and the top k; the top k are the k highest
+        top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_k]
+        if not self.chat:
+            return token, lp, {token_text(t): float(v) for t, v in top}
+        return {"token": token, "logprob": lp, "bytes": list(token.encode()),
+                "top_logprobs": [{"token": token_text(t), "logprob": float(v), "bytes": list(token_text(t).encode())}
+                                 for t, v in top]}
+
+    def logprobs_body(self) -> dict | None:
+        if self.top_k is None:
+            return None
+        if self.chat:
+            return {"content": self.content}
+        return {"tokens": self.tokens, "token_logprobs": self.token_logprobs, "top_logprobs": self.top_logprobs,
+                "text_offset": self.text_offset}
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.final.finish_reason if self.final is not None else None
+
+    @property
+    def cost(self) -> dict | None:
+        return self.final.cost.as_dict() if self.final is not None and self.final.cost is not None else None
+
+
+def usage(choices: list[ChoiceState]) -> dict[str, Any]:
+    """Token counts: each prompt once (whatever ``n``), every choice's generated tokens."""
+    prompts: dict[int, RequestOutput] = {}
+    completion = 0
+    for c in choices:
+        if c.final is None:
+            continue
+        prompts.setdefault(c.prompt_index, c.final)
+        completion += len(c.final.token_ids)
+    prompt = sum(len(o.prompt_token_ids) for o in prompts.values())
+    cached = sum(o.num_cached_tokens for o in prompts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _head(rid: str, obj: str, model: str, created: int) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model}
+
+
+def completion_body(rid: str, model: str, choices: list[ChoiceState]) -> dict[str, Any]:
+    return {**_head(rid, "text_completion", model, int(time.time())),
+            "choices": [{"index": c.index, "text": c.text, "logprobs": c.logprobs_body(),
+                         "finish_reason": c.finish_reason, "cost": c.cost} for c in choices],
+            "usage": usage(choices)}
+
+
+def chat_body(rid: str, model: str, choices: list[ChoiceState]) -> dict[str, Any]:
+    return {**_head(rid, "chat.completion", model, int(time.time())),
+            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                         "logprobs": c.logprobs_body(), "finish_reason": c.finish_reason, "cost": c.cost}
+                        for c in choices],
+            "usage": usage(choices)}
+
+
+def chunk(rid: str, model: str, created: int, chat: bool, choices: list[dict[str, Any]],
+          usage_body: dict | None = None, with_usage: bool = False) -> dict[str, Any]:
+    """One server-sent event's body. With ``stream_options.include_usage`` every chunk has ``usage``: null,
+    except the last, which has no choices and the totals (OpenAI's layout)."""
+    body = {**_head(rid, "chat.completion.chunk" if chat else "text_completion", model, created), "choices": choices}
+    if with_usage:
+        body["usage"] = usage_body
+    return body

@@ -1,0 +1,64 @@
+"""A client that goes away mid-request has its engine requests aborted and their KV blocks freed at once."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from _server_util import wait_pool_empty
+from server_stages import SlowSteps
+
+from litellm_pipeline import SamplingParams
+from litellm_pipeline.telemetry.prometheus import PrometheusSink
+
+LONG = {"prompt": "copy:abcdef=", "max_tokens": 45, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture
+def slow(demo_server):
+    stage = demo_server.stage(SlowSteps)
+    stage.delay_s = 0.02  # 45 tokens take about a second: long enough to leave in the middle
+    yield
+    stage.delay_s = 0.0
+
+
+def aborted(engine) -> float:
+    sink = engine.bus.sink(PrometheusSink)
+    return sum(s.value for m in sink.registry.collect() if m.name == "litellm_pipeline:request_success"
+               for s in m.samples if s.name.endswith("_total") and s.labels["finish_reason"] == "abort")
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(demo_server, slow, reference):
+    engine, pool = demo_server.engine, demo_server.engine.rt.pool
+    before = aborted(engine)
+    with httpx.Client(base_url=demo_server.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**LONG, "stream": True, "n": 2}) as resp:
+            events = 0
+            for line in resp.iter_lines():
+                events += line.startswith("data: ")
+                if events == 2:
+                    break
+            assert len(engine.requests) == 2 and pool.num_free < pool.num_blocks  # both choices hold KV now
+            ids = set(engine.requests)
+    # the connection is closed: both choices are aborted and every block comes back
+    wait_pool_empty(engine)
+    assert not ids & set(engine.requests)
+    assert aborted(engine) == before + 2
+    # and the server serves the next request as before
+    (ref,) = reference.generate("12+345=", SamplingParams(max_tokens=6, temperature=0))
+    with httpx.Client(base_url=demo_server.url, timeout=30) as client:
+        assert client.post("/v1/completions", json={"prompt": "12+345=", "max_tokens": 6, "temperature": 0}
+                           ).json()["choices"][0]["text"] == ref.text
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts(demo_server, slow):
+    engine = demo_server.engine
+    before = aborted(engine)
+    with httpx.Client(base_url=demo_server.url, timeout=0.3) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=LONG)  # gives up (and closes) long before the 45 tokens
+    t0 = time.monotonic()
+    wait_pool_empty(engine)
+    assert time.monotonic() - t0 < 0.7, "the request ran to its end instead of being aborted"
+    assert aborted(engine) == before + 1

@@ -1,0 +1,189 @@
+"""The official ``openai`` client against a real server: completions and chat, streaming and not, equal to the
+offline ``LLM.generate`` token for token (greedy), with usage, logprobs, ``n``, stop strings, seeds and the cost
+record."""
+
+from __future__ import annotations
+
+import pytest
+from _server_util import wait_pool_empty
+
+from litellm_pipeline import SamplingParams
+from litellm_pipeline.demo import demo_prompts
+
+PROMPTS = [ex.prompt for ex in demo_prompts(0)]  # one held-out prompt per demo skill
+
+
+def greedy(max_tokens: int = 12, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def test_completions_equal_offline_generate(demo_server, reference):
+    client = demo_server.openai()
+    refs = reference.generate(PROMPTS, greedy())
+    for prompt, ref in zip(PROMPTS, refs):
+        resp = client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0)
+        (choice,) = resp.choices
+        assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+        assert resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert resp.usage.completion_tokens == len(ref.token_ids)
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+        cost = choice.model_extra["cost"]
+        assert cost["tier"] == "balanced" and cost["experts_per_layer"] == [2, 2, 2, 2]
+        assert cost["monetary"] == pytest.approx(ref.cost.monetary)  # the same tokens at the same price
+    wait_pool_empty(demo_server.engine)
+
+
+def test_streamed_completion_joins_to_the_same_text_with_usage(demo_server, reference):
+    client = demo_server.openai()
+    prompt = PROMPTS[1]
+    (ref,) = reference.generate(prompt, greedy())
+    chunks = list(client.completions.create(model="demo", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len(texts) >= 2, "the answer came in one piece: not streamed"
+    assert "".join(texts) == ref.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == ref.finish_reason and not any(finishes[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == len(ref.token_ids)
+    assert last.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_token_id_prompts_several_prompts_and_n(demo_server, reference):
+    client = demo_server.openai()
+    refs = reference.generate(PROMPTS[:2], greedy(8))
+    ids = [list(r.prompt_token_ids) for r in refs]
+    resp = client.completions.create(model="demo", prompt=ids, max_tokens=8, temperature=0, n=2)
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    # choice index = prompt * n + j: each prompt's two greedy choices equal its offline text
+    assert [c.text for c in resp.choices] == [refs[0].text, refs[0].text, refs[1].text, refs[1].text]
+    # each prompt counted once, every choice's tokens counted
+    assert resp.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert resp.usage.completion_tokens == 2 * sum(len(r.token_ids) for r in refs)
+
+
+def test_seeded_sampling_is_reproducible_and_n_choices_get_their_own_seeds(demo_server, reference):
+    client = demo_server.openai()
+    kw = dict(model="demo", prompt="copy:", max_tokens=10, temperature=1.5, seed=11)
+    a = client.completions.create(n=3, **kw)
+    b = client.completions.create(n=3, **kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    # choice j of a seeded request samples with seed + j, exactly as offline
+    offline = [reference.generate("copy:", SamplingParams(max_tokens=10, temperature=1.5, seed=11 + j))[0].text
+               for j in range(3)]
+    assert [c.text for c in a.choices] == offline
+    assert len(set(offline)) > 1, "the three seeds gave one text: the test cannot tell seeds apart"
+
+
+def test_stop_string_and_extra_fields(demo_server, reference):
+    client = demo_server.openai()
+    (ref,) = reference.generate("12+345=", greedy())
+    assert ref.text == "357"
+    resp = client.completions.create(model="demo", prompt="12+345=", max_tokens=12, temperature=0, stop=["5"])
+    assert resp.choices[0].text == "3" and resp.choices[0].finish_reason == "stop"
+    # the runtime's own fields travel in extra_body: tier, ignore_eos, top_k, repetition_penalty
+    resp = client.completions.create(model="demo", prompt="12+345=", max_tokens=6, temperature=0,
+                                     extra_body={"tier": "fast", "ignore_eos": True, "top_k": 5,
+                                                 "repetition_penalty": 1.0, "min_p": 0.0, "priority": 1})
+    (fast,) = reference.generate("12+345=", greedy(6, ignore_eos=True), tier="fast")
+    choice = resp.choices[0]
+    assert choice.model_extra["cost"]["tier"] == "fast" and choice.model_extra["cost"]["experts_per_layer"] == [1] * 4
+    assert choice.text == fast.text and resp.usage.completion_tokens == 6 and choice.finish_reason == "length"
+
+
+def test_completion_logprobs(demo_server, reference):
+    client = demo_server.openai()
+    prompt = PROMPTS[0]
+    (ref,) = reference.generate(prompt, greedy(10, logprobs=2))
+    resp = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(ref.token_ids) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    tok = reference.tokenizer
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    for got, want_id, want in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
+        assert got == pytest.approx(want[want_id], abs=1e-5)
+    for top, sampled in zip(lp.top_logprobs, lp.token_logprobs):
+        assert len(top) == 2 and max(top.values()) == pytest.approx(sampled)  # greedy: the best is the one taken
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_models_list(demo_server):
+    (model,) = demo_server.openai().models.list().data
+    assert model.id == "demo" and model.owned_by == "litellm_pipeline"
+    assert model.model_extra["max_model_len"] == 64
+    assert [t["name"] for t in model.model_extra["tiers"]] == ["fast", "balanced", "deep", "max"]
+
+
+def test_chat_equals_offline_generate_streaming_and_not(chat_server, reference):
+    client = chat_server.openai()
+    prompt = PROMPTS[2]
+    (ref,) = reference.generate(prompt, greedy(12, logprobs=1))
+    messages = [{"role": "user", "content": prompt}]
+    resp = client.chat.completions.create(model="demo-chat", messages=messages, max_completion_tokens=12,
+                                          temperature=0, logprobs=True, top_logprobs=1)
+    (choice,) = resp.choices
+    # the test template is BOS + the user's text: the same token ids as the plain prompt
+    assert choice.message.role == "assistant" and choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason and resp.usage.prompt_tokens == len(ref.prompt_token_ids)
+    content = choice.logprobs.content
+    assert len(content) == len(ref.token_ids)
+    for entry, tid, want in zip(content, ref.token_ids, ref.logprobs):
+        assert entry.logprob == pytest.approx(want[tid], abs=1e-5)
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 1
+    assert choice.model_extra["cost"]["tier"] == "balanced"
+
+    chunks = list(client.chat.completions.create(model="demo-chat", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    wait_pool_empty(chat_server.engine)
+
+
+def test_chat_without_a_template_is_a_clear_400(demo_server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        demo_server.openai().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    assert info.value.status_code == 400
+    err = info.value.body
+    assert err["param"] == "messages" and "no chat template" in err["message"]
+
+
+def test_client_sees_unknown_model_as_not_found(demo_server):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as info:
+        demo_server.openai().completions.create(model="gpt-9", prompt="1+2=", max_tokens=2)
+    assert "gpt-9" in info.value.body["message"] and "'demo'" in info.value.body["message"]
+    # the server stays up: the next call works
+    assert demo_server.openai().completions.create(model="demo", prompt="1+2=", max_tokens=2).choices
+
+
+def test_concurrent_requests_share_engine_steps(demo_server, reference):
+    """Requests from separate connections run in the same engine steps and still equal their offline outputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server_stages import SlowSteps
+
+    from litellm_pipeline.telemetry import MemorySink, StepFinished
+
+    refs = reference.generate(PROMPTS, greedy(10, ignore_eos=True))
+    sink, stage = MemorySink(), demo_server.stage(SlowSteps)
+    demo_server.engine.bus.subscribe(sink)
+    stage.delay_s = 0.01  # arrivals over a few milliseconds land in one batch
+    try:
+        def ask(prompt: str) -> str:
+            return demo_server.openai().completions.create(
+                model="demo", prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}
+            ).choices[0].text
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            texts = list(pool.map(ask, PROMPTS))
+    finally:
+        stage.delay_s = 0.0
+        demo_server.engine.bus.unsubscribe(sink)
+    assert texts == [r.text for r in refs]
+    assert max(s.batch_size for s in sink.of(StepFinished)) >= 3, "the HTTP requests ran one after another"

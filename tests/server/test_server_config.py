@@ -1,0 +1,58 @@
+"""The ``server`` config group: validated like every group (one line naming the key path), and the serve
+command's own failures end in one error line and exit code 2, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from litellm_pipeline.builder import to_plain
+from litellm_pipeline.config_schema import validate_config
+from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.hydra_config import compose
+
+
+def test_serve_recipe_composes_the_server_defaults():
+    app = validate_config(to_plain(compose(["+recipe=serve"])))
+    assert app.task == "serve"
+    s = app.server
+    assert (s.host, s.port, s.served_model_name, s.max_n) == ("127.0.0.1", 8000, None, 8)
+    assert s.drain_timeout_s > 0 and s.max_body_bytes >= 1024
+
+
+@pytest.mark.parametrize("override, message", [
+    ("server.port=70000", "server.port: must be <= 65535 (got 70000)"),
+    ("server.max_n=0", "server.max_n: must be >= 1 (got 0)"),
+    ("server.drain_timeout_s=-1", "server.drain_timeout_s: must be >= 0"),
+    ("+server.colour=blue", "server.colour: unknown key"),
+    ("server.log_level=loud", "server.log_level: must be one of"),
+])
+def test_bad_server_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate_config(to_plain(compose(["+recipe=serve", override])))
+
+
+def run_serve(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=serve", "device.threads=1",
+           f"hydra.run.dir={tmp_path}/run", *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ})
+
+
+def test_invalid_server_config_exits_2_with_one_line(tmp_path):
+    proc = run_serve(tmp_path, "server.max_n=0")
+    assert proc.returncode == 2
+    assert "server.max_n: must be >= 1 (got 0)" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_port_in_use_exits_2_naming_it(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = run_serve(tmp_path, f"server.port={port}", "server.log_level=critical")
+    assert proc.returncode == 2, proc.stderr
+    assert f"could not listen on 127.0.0.1:{port}" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,69 @@
+"""+recipe=loadtest: the real server in a second process under a streaming load, against the Python API."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.loadtest import LoadtestSettings, Trace, arrivals, load_settings, server_overrides, summarise
+
+
+def test_arrivals_are_seeded_poisson_and_bounded_in_time():
+    s = LoadtestSettings(requests=500, rate=50.0, seed=3)
+    a = arrivals(s)
+    assert a == arrivals(s) and a != arrivals(LoadtestSettings(requests=500, rate=50.0, seed=4))
+    assert len(a) == 500 and all(x < y for x, y in zip(a, a[1:]))
+    assert 500 / a[-1] == pytest.approx(50.0, rel=0.15)  # the mean rate
+    cut = arrivals(LoadtestSettings(requests=500, rate=50.0, max_duration_s=2.0, seed=3))
+    assert cut == [x for x in a if x <= 2.0] and 60 < len(cut) < 140
+
+
+def test_summary_counts_slos_percentiles_and_failures():
+    s = LoadtestSettings(slo_ttft_ms=100, slo_itl_ms=10)
+    good = Trace(0.0, [0.05, 0.055, 0.06], tokens=3)  # TTFT 50 ms, gaps 5 ms
+    slow_start = Trace(0.0, [0.2, 0.201], tokens=2)  # TTFT 200 ms
+    slow_tokens = Trace(0.0, [0.01, 0.05], tokens=2)  # a 40 ms gap
+    failed = Trace(0.0, error="HTTP 400: bad")
+    r = summarise([good, slow_start, slow_tokens, failed], wall_s=2.0, s=s)
+    assert r["completed"] == 3 and r["failed"] == 1 and r["errors"] == ["HTTP 400: bad"]
+    assert r["output_tokens"] == 7 and r["output_tok_s"] == pytest.approx(3.5)
+    assert r["goodput_requests_per_s"] == pytest.approx(0.5) and r["slo_met_share"] == pytest.approx(0.25)
+    assert r["ttft_ms_p50"] == pytest.approx(50.0) and r["ttft_ms_p99"] == pytest.approx(200.0)
+    assert r["itl_ms_p99"] == pytest.approx(40.0)
+
+
+def test_only_model_and_engine_overrides_reach_the_server():
+    got = server_overrides(["+recipe=loadtest", "loadtest.requests=4", "+loadtest.url=x", "model.path=/m",
+                            "hydra.run.dir=d", "hydra/launcher=joblib", "engine.max_num_seqs=8"])
+    assert got == ["model.path=/m", "engine.max_num_seqs=8"]
+
+
+def test_bad_settings_name_the_key():
+    with pytest.raises(ConfigError, match=r"loadtest.rate"):
+        load_settings({"rate": 0})
+    with pytest.raises(ConfigError, match=r"loadtest.requestz"):
+        load_settings({"requestz": 3})
+
+
+@pytest.mark.slow
+def test_loadtest_recipe_against_a_real_server(tmp_path):
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=loadtest", "loadtest.requests=12", "loadtest.rate=100",
+           "loadtest.max_tokens=6", f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "run" / "loadtest.json").read_text())
+    for path in ("http", "in_process"):
+        assert r[path]["completed"] == 12 and r[path]["failed"] == 0, r[path]["errors"]
+        assert r[path]["output_tokens"] == 12 * 6  # ignore_eos: every request makes all its tokens
+        assert r[path]["ttft_ms_p50"] > 0 and r[path]["output_tok_s"] > 0
+    assert r["server_vs_in_process"] == pytest.approx(r["http"]["output_tok_s"] / r["in_process"]["output_tok_s"])
+    # afterwards the server was healthy with nothing in flight and no KV block in use, and drained to exit 0
+    assert r["server_after"] == {"health": 200, "kv_blocks_used": 0.0, "requests_running": 0.0,
+                                 "requests_waiting": 0.0}
+    assert r["server_exit_code"] == 0
+    assert "server throughput / in-process throughput" in proc.stdout
