@@ -15,6 +15,7 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "amx_linear.h"
 #include "cpu_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -34,6 +35,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -187,6 +189,14 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
 
 bool small_linear_supported() { return LLP_AVX512; }
 
+// which arithmetic row_linear gives bfloat16 on this CPU (the bench and the tests report it)
+std::string row_linear_path() {
+#if LLP_AMX
+  if (llp_amx::available()) return "amx";
+#endif
+  return LLP_DPBF16 ? "avx512_bf16" : LLP_AVX512 ? "avx512" : "none";
+}
+
 at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool dp) {
   TORCH_CHECK(LLP_AVX512, "small_linear: this build has no AVX-512 kernel (use torch linear)");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x [M, K], w [O, K] expected");
@@ -199,6 +209,14 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::op
                 "small_linear: bias must be a contiguous [O] tensor of x's dtype");
   }
   at::Tensor y = at::empty({M, O}, x.options());
+#if LLP_AMX
+  // the batch-invariant bf16 linear on AMX tiles where the CPU and the OS allow them (decided once per process)
+  if (dp && x.scalar_type() == at::kBFloat16 && llp_amx::available()) {
+    llp_amx::linear(x.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(),
+                    bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr, y.data_ptr<c10::BFloat16>(), M, K, O);
+    return y;
+  }
+#endif
 #if LLP_AVX512
   // output rows per task: a multiple of 8, and enough of them that a task reads >= ~64 KB of weights
   const int64_t grain = std::max<int64_t>(1, (16384 + K - 1) / K / 8);
@@ -230,8 +248,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 }
 
 // The batch-invariant linear: small_linear's row-by-row arithmetic for any number of rows (blocked for cache
-// reuse on many), in bfloat16 through vdpbf16ps where the CPU has it. A row's result never depends on the other
-// rows; it may differ in the last bits from small_linear's and from torch's GEMM.
+// reuse on many), in bfloat16 on AMX tiles where the CPU has them (amx_linear.h), else through vdpbf16ps where
+// it has that. A row's result never depends on the other rows; it may differ in the last bits from
+// small_linear's and from torch's GEMM.
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   return linear_kernel(x, w, bias, LLP_DPBF16 && x.scalar_type() == at::kBFloat16);
 }
@@ -625,6 +644,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("row_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported", &small_linear_supported);
+  m.def("row_linear_path", &row_linear_path);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
