@@ -51,7 +51,30 @@ def machine_info() -> dict:
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
         "loadavg_start": loadavg(),
+        "cpu_model": _cpu_model(),
+        "bf16_row_linear": _row_linear_path(),
     }
+
+
+def _cpu_model() -> str | None:
+    """``model name`` of /proc/cpuinfo (Linux), the CPU a number came from."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _row_linear_path() -> str | None:
+    """Which arithmetic the batch-invariant mode's bf16 linear takes here (amx, avx512_bf16, avx512)."""
+    try:
+        from litellm_pipeline.model import cpu_kernels
+
+        return cpu_kernels.ops().row_linear_path()
+    except Exception:  # no compiler: the mode runs the torch reference
+        return None
 
 
 class CpuMonitor:

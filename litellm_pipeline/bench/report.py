@@ -94,7 +94,8 @@ def render(result: dict) -> str:
     rows, roof, m = result["results"], result["roofline"], result["machine"]
     bw = roof["bandwidth_gbs"]
     out = [
-        f"machine: {m['cpu_count']} CPUs, torch {m['torch']} with {m['torch_threads']} threads, "
+        f"machine: {m.get('cpu_model') or m['processor']}, {m['cpu_count']} CPUs (batch-invariant bf16 linear: "
+        f"{m.get('bf16_row_linear') or 'torch'}), torch {m['torch']} with {m['torch_threads']} threads, "
         f"transformers {m['transformers'] or 'not installed'}; load average at start {m['loadavg_start']}, "
         f"at end {m.get('loadavg_end')}",
         f"roofline: read bandwidth {bw['best']:.1f} GB/s (sum {bw['sum']:.1f}, GEMV fp32 {bw['gemv_float32']:.1f}); "
