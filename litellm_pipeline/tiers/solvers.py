@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from litellm_pipeline.registry import register
 
 
@@ -79,6 +81,7 @@ class Solution:
     choice: tuple[int, ...]  # per layer: the index of the chosen option
     costs: tuple[float, ...]
     value: float
+    exact: bool = True  # False: the exact solver had to thin its partial solutions (see ExactSolver)
 
     def ks(self, problem: Problem) -> tuple[int, ...]:
         return tuple(opts[i].k for opts, i in zip(problem.layers, self.choice))
@@ -92,46 +95,99 @@ def _norm(costs: tuple[float, ...], scale: tuple[float, ...]) -> float:
 class ExactSolver:
     """Optimal: extend every kept partial solution by every option of the next layer, drop those that can no
     longer fit (even with the cheapest options for the remaining layers) and those another partial solution
-    dominates (no more costly in every constraint and at least as valuable)."""
+    dominates (no more costly in every limited constraint and at least as valuable). Vectorised with numpy; a
+    choice is read back through parent links at the end.
 
-    def __init__(self, max_states: int = 200_000):
+    Only constraints with a limit take part in dominance (an unlimited cost cannot make a plan infeasible), so a
+    budget with one limit keeps a one-dimensional staircase, filtered by a sort. Where more partial solutions
+    than ``max_states`` survive (many layers with distinct costs under several limits), they are thinned to the
+    most valuable one per cell of a grid over the limited costs; the result is then feasible but may fall short
+    of the optimum by what one cell's width of cost buys (never below the greedy solution, which is also
+    computed then), and ``Solution.exact`` says so."""
+
+    def __init__(self, max_states: int = 1024):
+        if max_states < 1:
+            raise ValueError(f"max_states: must be >= 1 (got {max_states})")
         self.max_states = max_states
 
     def solve(self, problem: Problem) -> Solution | None:
-        n = len(problem.layers)
+        n, m = len(problem.layers), len(problem.limits)
+        active = [j for j, lim in enumerate(problem.limits) if lim is not None]
+        lim = np.array([np.inf if x is None else x * (1 + 1e-12) for x in problem.limits])
+        opt_costs = [np.array([o.costs for o in opts], dtype=float).reshape(len(opts), m) for opts in problem.layers]
+        opt_values = [np.array([o.value for o in opts]) for opts in problem.layers]
         # the least each remaining suffix of layers can add, per constraint, for pruning
-        tail = [[0.0] * len(problem.limits) for _ in range(n + 1)]
+        tail = np.zeros((n + 1, m))
         for i in range(n - 1, -1, -1):
-            tail[i] = [t + min(o.costs[j] for o in problem.layers[i]) for j, t in enumerate(tail[i + 1])]
-        states: list[tuple[tuple[float, ...], float, tuple[int, ...]]] = [(problem.base(), 0.0, ())]
-        for i, opts in enumerate(problem.layers):
-            grown = []
-            for costs, value, choice in states:
-                for oi, o in enumerate(opts):
-                    c = tuple(a + b for a, b in zip(costs, o.costs))
-                    if problem.fits(tuple(a + b for a, b in zip(c, tail[i + 1]))):
-                        grown.append((c, value + o.value, choice + (oi,)))
-            states = _pareto(grown)
-            if not states:
+            tail[i] = tail[i + 1] + opt_costs[i].min(axis=0)
+        costs = np.array([problem.base()], dtype=float).reshape(1, m)
+        values = np.zeros(1)
+        links: list[tuple[np.ndarray, np.ndarray]] = []  # per layer: (parent state, option) of each kept state
+        exact = True
+        for i in range(n):
+            k = len(opt_values[i])
+            c = (costs[:, None, :] + opt_costs[i][None, :, :]).reshape(-1, m)
+            v = (values[:, None] + opt_values[i][None, :]).reshape(-1)
+            parent = np.repeat(np.arange(len(values)), k)
+            option = np.tile(np.arange(k), len(values))
+            ok = (c + tail[i + 1] <= lim).all(axis=1)
+            if not ok.any():
                 return None
-            if len(states) > self.max_states:
-                raise RuntimeError(
-                    f"budget_solver exact: {len(states)} partial solutions after layer {i} (max_states "
-                    f"{self.max_states}); use budget.solver=greedy for a problem this size"
-                )
-        costs, value, choice = max(states, key=lambda s: (s[1], [-c for c in s[0]]))
-        return Solution(choice, costs, value)
+            c, v, parent, option = c[ok], v[ok], parent[ok], option[ok]
+            order = np.lexsort((option, parent, *c.T[::-1], -v))  # value first, then costs: deterministic
+            c, v, parent, option = c[order], v[order], parent[order], option[order]
+            if len(active) > 1 and len(v) > self.max_states:  # thin before the quadratic filter
+                keep = _thin(c[:, active], self.max_states)
+                c, v, parent, option = c[keep], v[keep], parent[keep], option[keep]
+                exact = False
+            keep = _pareto(c[:, active], v)
+            c, v, parent, option = c[keep], v[keep], parent[keep], option[keep]
+            if len(v) > self.max_states:
+                keep = np.sort(_thin(c[:, active], self.max_states))
+                c, v, parent, option = c[keep], v[keep], parent[keep], option[keep]
+                exact = False
+            costs, values = c, v
+            links.append((parent, option))
+        best = 0  # states stay sorted by value descending, then costs
+        choice = []
+        for parent, option in reversed(links):
+            choice.append(int(option[best]))
+            best = int(parent[best])
+        sol = Solution(tuple(reversed(choice)), tuple(float(x) for x in costs[0]), float(values[0]), exact)
+        if not exact:
+            greedy = GreedySolver().solve(problem)
+            if greedy is not None and greedy.value > sol.value:
+                return Solution(greedy.choice, greedy.costs, greedy.value, False)
+        return sol
 
 
-def _pareto(states):
-    """The states no other state dominates; of equal ones the first is kept (deterministic)."""
-    # by value descending: a state can only be dominated by one that comes before it
-    states = sorted(states, key=lambda s: (-s[1], s[0], s[2]))
-    kept: list = []
-    for s in states:
-        if not any(k[1] >= s[1] and all(a <= b for a, b in zip(k[0], s[0])) for k in kept):
-            kept.append(s)
-    return kept
+def _pareto(c: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Indices (in the given order: value descending, then costs) of the states no other state dominates over
+    the cost columns ``c``; of equal states the first is kept."""
+    if c.shape[1] == 0:  # nothing limited: only the value counts
+        return np.arange(1)
+    if c.shape[1] == 1:  # a staircase: by cost, keep each state more valuable than every cheaper one
+        by_cost = np.argsort(c[:, 0], kind="stable")  # equal costs keep the value order
+        vs = v[by_cost]
+        before = np.maximum.accumulate(np.concatenate(([-np.inf], vs[:-1])))
+        return np.sort(by_cost[vs > before])
+    keep = np.ones(len(v), dtype=bool)
+    for lo in range(0, len(v), 256):  # blockwise: an earlier state (more valuable) no costlier anywhere
+        hi = min(len(v), lo + 256)
+        le = (c[None, :hi, :] <= c[lo:hi, None, :]).all(axis=2)
+        le &= np.tri(hi - lo, hi, lo - 1, dtype=bool)  # strictly earlier in the order only
+        keep[lo:hi] &= ~le.any(axis=1)
+    return np.flatnonzero(keep)
+
+
+def _thin(c: np.ndarray, max_states: int) -> np.ndarray:
+    """Indices of at most ~``max_states`` states: the first (most valuable) in each cell of a grid over ``c``."""
+    per_dim = max(1, int(max_states ** (1.0 / max(1, c.shape[1]))))
+    lo = c.min(axis=0)
+    width = np.maximum((c.max(axis=0) - lo) / per_dim, 1e-300)
+    cells = np.minimum(((c - lo) / width).astype(np.int64), per_dim - 1)
+    _, first = np.unique(cells, axis=0, return_index=True)
+    return np.sort(first)
 
 
 @register("budget_solver", "greedy")

@@ -89,8 +89,52 @@ def test_bad_problems_are_refused():
         Problem(((Option(1, (1.0,), 0.0),),), (1.0, 2.0))
 
 
-def test_exact_refuses_a_state_explosion_with_a_clear_message():
+def test_exact_thins_a_state_explosion_and_says_so():
     rng = random.Random(3)
-    p = monotone_problem(rng, layers=12, options=4, constraints=3, tight=2.0)
-    with pytest.raises(RuntimeError, match="budget.solver=greedy"):
-        ExactSolver(max_states=50).solve(p)
+    p = monotone_problem(rng, layers=8, options=4, constraints=3, tight=0.6)
+    p = Problem(p.layers, tuple(lim if lim is not None else 10.0 for lim in p.limits))  # three limits set
+    want = brute_force(p)
+    full = ExactSolver().solve(p)
+    assert full.exact and full.value == pytest.approx(want.value, abs=1e-9)
+    thin = ExactSolver(max_states=8).solve(p)
+    assert not thin.exact and p.fits(thin.costs) and thin.value <= want.value + 1e-9
+    assert p.evaluate(thin.choice).costs == pytest.approx(thin.costs)
+    with pytest.raises(ValueError, match="max_states"):
+        ExactSolver(max_states=0)
+
+
+def test_exact_on_many_identical_layers_is_optimal():
+    """32 MoE layers with the same options (the analytic cost model's case): the optimum is a count of layers
+    per option, so it can be checked over those counts instead of 4**32 choices."""
+    opts = tuple(Option(k, (0.1 * k, 0.01 * k, 0.002 * k), v) for k, v in ((1, -0.02), (2, 0.0), (4, 0.001),
+                                                                            (8, 0.0015)))
+    layers = 32
+    for limit in (3.3, 5.0, 9.7, 20.0):
+        p = Problem((opts,) * layers, (limit, None, None))
+        got = ExactSolver().solve(p)
+        best = max(
+            (sum(n * o.value for n, o in zip(ns, opts)), ns)
+            for ns in _counts(layers, len(opts))
+            if sum(n * o.costs[0] for n, o in zip(ns, opts)) <= limit * (1 + 1e-12)
+        )
+        assert got.exact and got.value == pytest.approx(best[0], abs=1e-12) and p.fits(got.costs)
+    # no limit at all: every layer takes its most valuable option
+    assert ExactSolver().solve(Problem((opts,) * layers, (None, None, None))).choice == (3,) * layers
+
+
+def test_exact_with_distinct_layers_and_one_limit_keeps_a_staircase():
+    rng = random.Random(11)
+    p = monotone_problem(rng, layers=24, options=4, constraints=1, tight=0.5)
+    p = Problem(p.layers, (p.limits[0] or sum(min(o.costs[0] for o in opts) for opts in p.layers) * 1.5,))
+    got = ExactSolver().solve(p)
+    greedy = GreedySolver().solve(p)
+    assert got.exact and p.fits(got.costs) and got.value >= greedy.value - 1e-12
+
+
+def _counts(total: int, parts: int):
+    if parts == 1:
+        yield (total,)
+        return
+    for n in range(total + 1):
+        for rest in _counts(total - n, parts - 1):
+            yield (n, *rest)
