@@ -25,6 +25,7 @@ from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.telemetry import build_bus
+from litellm_pipeline.tenants import TenantLedger, TenantPolicy
 from litellm_pipeline.tiers import BudgetSpec, resolve_tiers
 from litellm_pipeline.tiers.cost_model import CostModel
 from litellm_pipeline.tiers.selector import BudgetPolicy, Weights
@@ -169,6 +170,12 @@ def budget_policy(app: AppConfig) -> BudgetPolicy:
                         b.latency_headroom)
 
 
+def tenant_policies(app: AppConfig) -> dict[str, TenantPolicy]:
+    """conf/tenants as plain policies (the API keys stay with the server, which alone authenticates)."""
+    return {name: TenantPolicy(name, **t.model_dump(exclude={"api_key_sha256", "api_key_env"}))
+            for name, t in app.tenants.items()}
+
+
 def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
     app = validate_config(to_plain(cfg))
     return build_from_app(app)
@@ -233,8 +240,13 @@ def build_from_app(app: AppConfig) -> Engine:
         max_sessions=app.cache.max_sessions,
         bus=bus,
     )
+    policies = tenant_policies(app)
+    sched_kwargs = {}
+    if "weights" in inspect.signature(sched_cls).parameters:  # a fair-share scheduler: the tenants' weights
+        sched_kwargs["weights"] = {name: p.weight for name, p in policies.items()}
     scheduler = sched_cls(
-        kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus
+        kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus,
+        **sched_kwargs,
     )
     rt = Runtime(
         model=model,
@@ -254,6 +266,7 @@ def build_from_app(app: AppConfig) -> Engine:
         cost_model=cost_model,
         budget=budget_policy(app),
         deterministic=app.engine.deterministic,
+        tenants=TenantLedger(policies) if policies else None,
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

@@ -6,10 +6,11 @@ what is allowed (``cache.block_size: must be >= 1 (got 0)``), and nothing is bui
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping
+import re
+from typing import Annotated, Any, Literal, Mapping
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from litellm_pipeline.errors import ConfigError, InvalidValueError, format_validation_error
 from litellm_pipeline.sampling import SamplingParams
@@ -172,6 +173,55 @@ class ServerSection(_Section):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
 
 
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _key_digest(v: str) -> str:
+    v = v.strip().lower()
+    if not _DIGEST.match(v):
+        raise ValueError(
+            "must be the SHA-256 hex digest of an API key (64 hex digits), e.g. from "
+            "python -c \"import hashlib; print(hashlib.sha256(b'KEY').hexdigest())\"")
+    return v
+
+
+def _env_name(v: str | None) -> str | None:
+    if v is not None and not _ENV_NAME.match(v):
+        raise ValueError("must be an environment variable name (letters, digits and _, not starting with a digit)")
+    return v
+
+
+_Quota = Field(default=None, gt=0, allow_inf_nan=False)
+
+
+class TenantSection(_Section):
+    """One tenant of conf/tenants: its API keys (read by the server), fair-share weight and quotas (null: none)."""
+
+    api_key_sha256: list[Annotated[str, AfterValidator(_key_digest)]] = []  # SHA-256 hex digests of its keys
+    api_key_env: Annotated[str | None, AfterValidator(_env_name)] = None  # an env var holding one key
+    weight: float = Field(default=1.0, gt=0, allow_inf_nan=False)  # share of batch admissions (fair scheduler)
+    requests_per_minute: float | None = _Quota
+    tokens_per_minute: float | None = _Quota  # prompt + max_tokens, reserved at admission
+    max_concurrent: int | None = Field(default=None, ge=1)  # requests in flight (queued or running)
+    max_queued: int | None = Field(default=None, ge=1)  # requests waiting for a batch slot
+    max_spend: float | None = _Quota  # monetary units (tier prices) per spend_window_s
+    spend_window_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+
+
+def check_tenants(tenants: Mapping[str, TenantSection]) -> None:
+    """What one tenant's schema cannot see: names and keys across tenants (ConfigError naming the key path)."""
+    if "" in tenants:
+        raise ConfigError("invalid config:\ntenants: a tenant name must not be empty ('' is the default tenant)")
+    owner: dict[str, str] = {}
+    for name, t in tenants.items():
+        for i, digest in enumerate(t.api_key_sha256):
+            if digest in owner:
+                raise ConfigError(f"invalid config:\ntenants.{name}.api_key_sha256[{i}]: the same key as "
+                                  f"{owner[digest]}: a key must name one tenant")
+            owner[digest] = f"tenants.{name}.api_key_sha256[{i}]"
+
+
 class AppConfig(_Section):
     task: str | None = None
     prompt: str | None = None
@@ -187,6 +237,8 @@ class AppConfig(_Section):
     cache: CacheSection = CacheSection()
     telemetry: TelemetrySection = TelemetrySection()
     server: ServerSection = ServerSection()
+    # conf/tenants: name -> tenant; empty = the open single-tenant mode (no API key, no quota)
+    tenants: dict[str, TenantSection] = {}
     # task-specific sections: validated by the task that reads them
     bench: dict[str, Any] | None = None
     train: dict[str, Any] | None = None
@@ -212,4 +264,5 @@ def validate_config(cfg: Mapping[str, Any]) -> AppConfig:
     except pydantic.ValidationError as exc:
         raise ConfigError("invalid config:\n" + format_validation_error(exc)) from exc
     app.sampling_params()  # fail now, not at the first request
+    check_tenants(app.tenants)
     return app

@@ -6,8 +6,9 @@ line per problem that names the key path and the allowed range, e.g.
 
 Request errors form a small taxonomy that a server maps to HTTP status codes one to one
 (:attr:`RequestError.status_code`): :class:`InvalidRequestError` (400; names the offending field),
-:class:`NotFoundError` (404), :class:`RateLimitedError` (429, with ``retry_after_s``),
-:class:`OverloadedError` (503) and :class:`InternalError` (500, with an ``error_id`` to find it in the log).
+:class:`AuthenticationError` (401), :class:`NotFoundError` (404), :class:`RateLimitedError` (429, with
+``retry_after_s`` and the ``quota``), :class:`OverloadedError` (503) and :class:`InternalError` (500, with an
+``error_id`` to find it in the log).
 Every path that rejects a request raises one of them.
 """
 
@@ -26,6 +27,7 @@ __all__ = [
     "RequestError",
     "InvalidRequestError",
     "NotFoundError",
+    "AuthenticationError",
     "RateLimitedError",
     "OverloadedError",
     "InternalError",
@@ -132,10 +134,22 @@ class RateLimitedError(RequestError):
         self.quota = quota
 
 
+class AuthenticationError(RequestError):
+    """The request carries no API key, or one that names no tenant (the server's ``conf/tenants`` keys)."""
+
+    status_code = 401
+
+
 class OverloadedError(RequestError):
-    """The server cannot take the request now (queue full, draining); the request itself is fine."""
+    """The server cannot take the request now (queue full, draining); the request itself is fine.
+    ``retry_after_s`` (None: unknown) and ``quota`` (e.g. ``"max_queued"``) are set when a tenant's queue is full."""
 
     status_code = 503
+
+    def __init__(self, message: str, retry_after_s: float | None = None, quota: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.quota = quota
 
 
 class InternalError(RequestError, RuntimeError):
@@ -173,6 +187,8 @@ def _message(e: dict[str, Any]) -> str:
     kind = e.get("type", "")
     ctx = e.get("ctx") or {}
     if kind in _CONSTRAINT_TEXT:
+        # a float field's bound reads as written in the schema: "must be > 0", not "> 0.0"
+        ctx = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in ctx.items()}
         try:
             return _CONSTRAINT_TEXT[kind].format(**ctx)
         except (KeyError, IndexError):

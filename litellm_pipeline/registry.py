@@ -65,6 +65,7 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.telemetry.bus",
     "litellm_pipeline.telemetry.prometheus",
     "litellm_pipeline.engine.scheduler",
+    "litellm_pipeline.engine.fair_scheduler",
     "litellm_pipeline.engine.kv_policy",
     "litellm_pipeline.stages",
 )

@@ -81,8 +81,12 @@ class Engine:
                 for stage in self.request_stages:
                     stage(ctx)
             except Exception as exc:
+                for hold in req.holds:  # what an earlier stage took goes back: a rejection leaves nothing
+                    hold.cancel()
+                req.holds.clear()
                 if bus.enabled:
-                    bus.publish(RequestRejected(spec.request_id, spec.tenant, type(exc).__name__, str(exc)))
+                    bus.publish(RequestRejected(spec.request_id, spec.tenant, type(exc).__name__, str(exc),
+                                                getattr(exc, "quota", "")))
                 raise
             self._admit(req)
         return req
@@ -225,6 +229,7 @@ class Engine:
         self.rt.scheduler.finish(req)
         self.requests.pop(req.request_id, None)
         req.cost = req.cost_record()
+        self._settle(req)
         if self.bus.enabled:
             c = req.cost
             if c is not None:
@@ -239,6 +244,13 @@ class Engine:
                     req.num_cached_tokens, req.tierset.name if req.tierset else None, now - req.arrival,
                 )
             )
+
+    @staticmethod
+    def _settle(req: Request) -> None:
+        """The request ended: what its request stages held for it is settled (e.g. unused quota back)."""
+        for hold in req.holds:
+            hold.settle(req)
+        req.holds.clear()
 
     def _publish_step(self, schedule: list[tuple[Request, int]], t0: float) -> None:
         prefill = decode = 0
@@ -270,6 +282,7 @@ class Engine:
             req.finish_reason = "abort"
             self.rt.scheduler.finish(req)
             req.status = RequestStatus.FINISHED
+            self._settle(req)
             if self.bus.enabled:
                 sched, pool = self.rt.scheduler, self.rt.pool
                 self.bus.publish(RequestAborted(

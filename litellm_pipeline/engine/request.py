@@ -48,6 +48,10 @@ class Request:
     selection: Selection | None = None  # the select_tier decision (prediction, mode) behind ``tierset``
     budget_max_tokens: int | None = None  # the most output tokens its monetary budget pays for
     cost: CostRecord | None = None  # set by the engine when it finishes
+    # what request stages took for it (e.g. a tenant's quota, tenants.QuotaHold): each has cancel() and
+    # settle(req); the engine cancels them if a later request stage rejects the request and settles them once
+    # when it finishes or is aborted
+    holds: list = field(default_factory=list)
     # set by the engine on admission
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None

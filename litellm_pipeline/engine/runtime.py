@@ -1,4 +1,4 @@
-"""Runtime: the plain objects a built pipeline shares (model, cache, scheduler, tokenizer, tiers)."""
+"""Runtime: the plain objects a built pipeline shares (model, cache, scheduler, tokenizer, tiers, tenant quotas)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.telemetry import EventBus
+from litellm_pipeline.tenants import TenantLedger
 from litellm_pipeline.tiers import TierSet
 from litellm_pipeline.tiers.cost_model import CostModel
 from litellm_pipeline.tiers.selector import BudgetPolicy
@@ -35,6 +36,7 @@ class Runtime:
     cost_model: CostModel | None = None
     budget: BudgetPolicy = field(default_factory=BudgetPolicy)
     deterministic: bool = False  # engine.deterministic: batch-invariant steps
+    tenants: TenantLedger | None = None  # the quotas of conf/tenants (None: no tenant has one)
 
 
 def allocate_kv_cache(

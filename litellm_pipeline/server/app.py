@@ -15,7 +15,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Mapping
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from litellm_pipeline.config_schema import ServerSection
@@ -55,7 +55,9 @@ def build_app(
     an AsyncEngine already running is left running at shutdown).
 
     ``model_name``: the model id clients use (default ``settings.served_model_name``, else ``"default"``).
-    ``tenant_of``: who sent a request (becomes ``RequestSpec.tenant``); default: everyone is tenant ``""``.
+    ``tenant_of``: who sent a request (becomes ``RequestSpec.tenant``); default: everyone is tenant ``""``. It runs
+    first on every ``/v1`` route and may raise a RequestError, e.g. :class:`~.auth.ApiKeys`' 401 for a missing or
+    unknown key.
     """
     aeng = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     cfg = settings if isinstance(settings, ServerSection) else ServerSection.model_validate(dict(settings or {}))
@@ -67,6 +69,11 @@ def build_app(
     token_text = TokenText(tok)
     gate = GateState()
     tenant_of = tenant_of or (lambda request: "")
+
+    async def tenant(request: Request) -> str:
+        # a dependency of every /v1 route: FastAPI runs it before it checks the body, so a request without a
+        # valid key gets its 401 before any 400 (only a body that is not JSON at all is refused first)
+        return tenant_of(request)
     created = int(time.time())
 
     @asynccontextmanager
@@ -112,25 +119,25 @@ def build_app(
         """Prometheus text exposition format."""
         return Response(sink.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[Depends(tenant)])
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(tenant)])
     async def get_model(model_id: str) -> dict[str, Any]:
         check_model(model_id)
         return model_card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(body: CompletionRequest, request: Request, who: str = Depends(tenant)):
         check_model(body.model)
-        choices = completion_specs(body, tok, limits, tenant_of(request))
+        choices = completion_specs(body, tok, limits, who)
         return await serve(request, body, choices, chat=False, top_k=body.logprobs)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(body: ChatCompletionRequest, request: Request, who: str = Depends(tenant)):
         check_model(body.model)
-        choices = chat_specs(body, tok, limits, tenant_of(request))
+        choices = chat_specs(body, tok, limits, who)
         return await serve(request, body, choices, chat=True, top_k=(body.top_logprobs or 0) if body.logprobs else None)
 
     async def serve(request: Request, body, choices: list[Choice], chat: bool, top_k: int | None):

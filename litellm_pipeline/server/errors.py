@@ -8,6 +8,7 @@ naming the field; anything unexpected becomes a 500 with an error id that is als
 from __future__ import annotations
 
 import logging
+import math
 import re
 from typing import Any
 
@@ -17,7 +18,9 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from litellm_pipeline.errors import (
+    AuthenticationError,
     InternalError,
+    OverloadedError,
     RateLimitedError,
     RequestError,
     format_error_list,
@@ -54,9 +57,13 @@ def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any], dict[str
     param = getattr(exc, "field", None)  # InvalidRequestError names its field (engine-side: "params.top_p")
     if param is not None:
         param = param.removeprefix("params.")
-    if isinstance(exc, RateLimitedError):
-        headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        code = exc.quota or None
+    retry_after = getattr(exc, "retry_after_s", None)  # RateLimitedError; OverloadedError of a full tenant queue
+    if isinstance(exc, (RateLimitedError, OverloadedError)):
+        code = exc.quota or None  # which quota: requests_per_minute, tokens_per_minute, ..., max_queued
+        if retry_after is not None:
+            headers = {"Retry-After": str(max(1, math.ceil(retry_after)))}
+    if isinstance(exc, AuthenticationError):
+        headers, code = {"WWW-Authenticate": "Bearer"}, "invalid_api_key"
     if isinstance(exc, InternalError):
         extra["error_id"] = exc.error_id
         code = "internal_error"

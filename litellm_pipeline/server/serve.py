@@ -20,6 +20,7 @@ from fastapi import FastAPI
 
 from litellm_pipeline.config_schema import AppConfig, ServerSection
 from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.server.auth import ApiKeys
 
 __all__ = ["serve", "run_app", "served_model_name"]
 
@@ -101,12 +102,15 @@ def run_app(app: FastAPI, settings: ServerSection) -> DrainingServer:
 
 
 def serve(app_cfg: AppConfig) -> DrainingServer:
-    """The serve task: the engine of the config, the app over it, uvicorn until drained."""
+    """The serve task: the engine of the config, the app over it (API keys wanted when ``conf/tenants`` names
+    tenants), uvicorn until drained."""
     from litellm_pipeline.builder import build_from_app
     from litellm_pipeline.server.app import build_app
 
+    # keys first: a missing key variable stops the start before the model is loaded
+    keys = ApiKeys.from_config(app_cfg.tenants) if app_cfg.tenants else None
     engine = build_from_app(app_cfg)
-    app = build_app(engine, app_cfg.server, model_name=served_model_name(app_cfg))
+    app = build_app(engine, app_cfg.server, model_name=served_model_name(app_cfg), tenant_of=keys)
     server = run_app(app, app_cfg.server)
     log.info("stopped after %d request(s)", server.server_state.total_requests)
     return server

@@ -1,8 +1,11 @@
-"""admit: check that the engine can ever run a request (prompt, vocabulary, context, KV pool).
+"""admit: check that the engine can ever run a request (prompt, vocabulary, context, KV pool), then that its
+tenant's quotas allow it now (:mod:`litellm_pipeline.tenants`: rate, tokens, concurrency, queue, spend).
 
 A request-level stage only decides: it may reject (raise :class:`InvalidRequestError`) but it never
 enqueues. The engine gives the request its generator and detokenizer and queues it only once every
-request-level stage has passed, so a rejection leaves nothing behind.
+request-level stage has passed, so a rejection leaves nothing behind. The quota check comes last, so a request
+that is wrong in itself is refused (400) without using its tenant's quota; what the quotas take is a hold on the
+request that the engine cancels if a later stage rejects it and settles when the request ends.
 """
 
 from __future__ import annotations
@@ -42,4 +45,9 @@ class Admit(Stage):
                 f"request needs {need} KV blocks ({n} prompt + up to {total - n} output tokens) but the cache "
                 f"holds {rt.pool.num_blocks}; raise cache.num_blocks or lower max_tokens",
             )
+        ledger = rt.tenants
+        if ledger is not None:
+            hold = ledger.reserve(req, total, rt.scheduler.waiting)
+            if hold is not None:
+                req.holds.append(hold)
         ctx.admitted = True

@@ -54,6 +54,7 @@ class RequestRejected(Event):
     tenant: str
     error: str  # the error class name, e.g. "InvalidRequestError"
     reason: str  # its message
+    quota: str = ""  # the tenant quota it broke (RateLimitedError / OverloadedError), e.g. "tokens_per_minute"
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,8 +115,9 @@ class PrometheusSink:
         self.success = Counter(PREFIX + "request_success",
                                "Ended requests by finish_reason (stop, length, budget, error, abort).",
                                ("finish_reason", *tt), registry=r)
-        self.rejected = Counter(PREFIX + "request_rejected", "Requests refused before queueing, by error class.",
-                                ("reason", "tenant"), registry=r)
+        self.rejected = Counter(PREFIX + "request_rejected",
+                                "Requests refused before queueing, by the tenant quota they broke or else the "
+                                "error class.", ("reason", "tenant"), registry=r)
         self.tier_selections = Counter(PREFIX + "tier_selections", "TierSets chosen by select_tier.",
                                        ("tier", "mode"), registry=r)
         self.budget_infeasible = Counter(PREFIX + "budget_infeasible",
@@ -164,7 +165,8 @@ class PrometheusSink:
         self._live[e.request_id] = [self._tenant(e.tenant), self._tier(e.tier), e.prompt_tokens, None, False]
 
     def _rejected(self, e: ev.RequestRejected) -> None:
-        self.rejected.labels(e.error, self._tenant(e.tenant)).inc()
+        # a tenant quota names itself (requests_per_minute, ..., max_queued); anything else, its error class
+        self.rejected.labels(e.quota or e.error, self._tenant(e.tenant)).inc()
 
     def _tier_selected(self, e: ev.TierSelected) -> None:
         tier = self._tier(e.tier)

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 import httpx
 import uvicorn
 
-from litellm_pipeline.builder import build_engine
+from litellm_pipeline.builder import build_engine, to_plain
+from litellm_pipeline.config_schema import validate_config
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.hydra_config import compose
 from litellm_pipeline.server.app import build_app
+from litellm_pipeline.server.auth import ApiKeys
 
 # the plugin stages of server_stages.py, put into the pipeline by config like any plugin's
 PLUGIN_STAGES = ["+pipeline.stages.fault={impl: 'server_stages:FailOnMarker'}",
@@ -50,9 +52,12 @@ class LiveServer:
 
 
 def start_server(overrides: list[str], model_name: str = "demo", **settings) -> LiveServer:
+    """A server as ``+recipe=serve`` makes it (API keys wanted when the config names tenants, as in serve())."""
     cfg = compose(["+recipe=serve", "device.threads=1", *overrides])
+    tenants = validate_config(to_plain(cfg)).tenants
     engine = build_engine(cfg)
-    app = build_app(engine, {"port": 0, "log_level": "warning", **settings}, model_name=model_name)
+    app = build_app(engine, {"port": 0, "log_level": "warning", **settings}, model_name=model_name,
+                    tenant_of=ApiKeys.from_config(tenants) if tenants else None)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
