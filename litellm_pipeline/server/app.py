@@ -92,7 +92,7 @@ def build_app(
                   description="OpenAI-compatible API of the litellm_pipeline runtime")
     app.state.gate, app.state.async_engine, app.state.metrics, app.state.model_name = gate, aeng, sink, name
     install_error_handlers(app)
-    app.add_middleware(Gate, state=gate, max_body_bytes=cfg.max_body_bytes)
+    app.add_middleware(Gate, state=gate, max_body_bytes=cfg.max_body_bytes, max_header_bytes=cfg.max_header_bytes)
 
     def model_card() -> dict[str, Any]:
         tiers = [{"name": t.name, "experts_per_layer": list(t.experts_per_layer), "cost": t.cost,

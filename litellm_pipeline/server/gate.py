@@ -1,6 +1,8 @@
 """The gate every API request passes first (a plain ASGI middleware, outermost).
 
 * Not serving (starting, draining): ``/v1/...`` gets 503 at once.
+* Request headers past ``server.max_header_bytes`` get 431 (uvicorn itself refuses, in plain text, only headers
+  past four times that, where its parser stops).
 * The body is read here, bounded by ``server.max_body_bytes`` (413 past it, whatever Content-Length claims),
   then replayed to the app; later ``receive`` calls go to the server, so a disconnect is still seen.
 * Requests in flight are counted: a drain waits for that count to reach zero.
@@ -54,13 +56,23 @@ class GateState:
 
 
 class Gate:
-    def __init__(self, app: Callable, state: GateState, max_body_bytes: int):
+    def __init__(self, app: Callable, state: GateState, max_body_bytes: int, max_header_bytes: int = 16_384):
         self.app = app
         self.state = state
         self.max_body_bytes = max_body_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        size = sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or ())  # "name: value\r\n"
+        if size > self.max_header_bytes:
+            await _answer(scope, receive, send, 431,
+                          f"the request headers are {size} bytes; this server takes at most {self.max_header_bytes} "
+                          "(server.max_header_bytes)", code="headers_too_large", headers={"Connection": "close"})
+            return
+        if not scope["path"].startswith("/v1/"):
             await self.app(scope, receive, send)
             return
         if self.state.status != "serving":

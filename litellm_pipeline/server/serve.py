@@ -90,7 +90,7 @@ def run_app(app: FastAPI, settings: ServerSection) -> DrainingServer:
     start (e.g. the port is taken)."""
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, lifespan="on",
-        h11_max_incomplete_event_size=settings.max_header_bytes, timeout_graceful_shutdown=_ABORT_GRACE_S,
+        h11_max_incomplete_event_size=4 * settings.max_header_bytes, timeout_graceful_shutdown=_ABORT_GRACE_S,
     )
     server = DrainingServer(config, app, settings.drain_timeout_s)
     server.run()

@@ -175,3 +175,22 @@ def test_unknown_route_is_a_json_404(demo_server):
     with demo_server.client() as client:
         resp = client.get("/v1/nothing-here")
     assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+
+
+def test_oversized_headers_get_a_json_431_and_the_server_keeps_serving():
+    from _server_util import start_server
+
+    live = start_server([], max_header_bytes=2048)
+    try:
+        with live.client() as client:
+            resp = client.post("/v1/completions", json={"prompt": "12+3=", "max_tokens": 2},
+                               headers={"X-Padding": "a" * 3000})
+            assert resp.status_code == 431 and resp.headers["content-type"] == "application/json"
+            err = resp.json()["error"]
+            assert err["code"] == "headers_too_large" and "server.max_header_bytes" in err["message"]
+            assert "at most 2048" in err["message"]
+            ok = client.post("/v1/completions", json={"prompt": "12+3=", "max_tokens": 2, "temperature": 0})
+            assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+        assert live.engine.rt.pool.is_empty()
+    finally:
+        live.stop()
