@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import re
@@ -38,7 +39,7 @@ class LoadtestSettings(BaseModel):
 
     url: str | None = None  # a running server; None: start one
     requests: int = Field(default=200, ge=1)
-    rate: float = Field(default=100.0, gt=0)  # Poisson arrivals, requests per second (.inf: all at once)
+    rate: float = Field(default=100.0, gt=0)  # Poisson arrivals, requests per second (inf: all at once)
     max_duration_s: float = Field(default=120.0, gt=0)  # arrivals after this are not sent
     max_tokens: int = Field(default=32, ge=1)
     slo_ttft_ms: float = Field(default=500.0, gt=0)
@@ -58,11 +59,13 @@ def load_settings(section: Any) -> LoadtestSettings:
 
 @dataclass
 class Trace:
-    """One request's token arrival times (seconds from its send) and how it ended."""
+    """One request's text arrival times (seconds from its send) and how it ended. Times are of chunks that carry
+    text: a token that completes no character yet (a split multi-byte one) arrives with the next."""
 
     sent_s: float  # from the start of the run
     token_times: list[float] = field(default_factory=list)
     tokens: int = 0
+    finished: bool = False
     error: str | None = None
 
     @property
@@ -101,10 +104,12 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def summarise(traces: list[Trace], wall_s: float, s: LoadtestSettings) -> dict:
-    ok = [t for t in traces if t.error is None and t.token_times]
-    ttft = [t.ttft_ms for t in ok]
-    itl = [g for t in ok for g in t.itl_ms]
-    good = [t for t in ok if t.ttft_ms <= s.slo_ttft_ms and (not t.itl_ms or statistics.mean(t.itl_ms) <= s.slo_itl_ms)]
+    ok = [t for t in traces if t.error is None and t.finished]
+    timed = [t for t in ok if t.token_times]
+    ttft = [t.ttft_ms for t in timed]
+    itl = [g for t in timed for g in t.itl_ms]
+    good = [t for t in timed
+            if t.ttft_ms <= s.slo_ttft_ms and (not t.itl_ms or statistics.mean(t.itl_ms) <= s.slo_itl_ms)]
     tokens = sum(t.tokens for t in ok)
     return {
         "requests": len(traces), "completed": len(ok), "failed": len(traces) - len(ok),
@@ -135,6 +140,8 @@ async def _one_http(client, url: str, model: str, prompt: str, s: LoadtestSettin
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
                     trace.tokens = chunk["usage"]["completion_tokens"]
+                if any(c.get("finish_reason") for c in chunk.get("choices", ())):
+                    trace.finished = True
                 if any(c.get("text") for c in chunk.get("choices", ())):
                     trace.token_times.append(time.perf_counter() - t0)
     except Exception as exc:  # a failed request is reported, the run goes on
@@ -180,6 +187,7 @@ async def run_in_process(engine, texts: list[str], times: list[float], s: Loadte
                     if out.delta_text:
                         traces[i].token_times.append(time.perf_counter() - t0)
                     traces[i].tokens = len(out.token_ids)
+                    traces[i].finished = out.finished
             except Exception as exc:
                 traces[i].error = f"{type(exc).__name__}: {exc}"
             if bar is not None:
@@ -296,6 +304,7 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("loadtest"))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
     demo = plain["model"].get("path") is None
     times = arrivals(s)
     texts = prompts(len(times), demo, s.seed)

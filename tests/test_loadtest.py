@@ -25,14 +25,16 @@ def test_arrivals_are_seeded_poisson_and_bounded_in_time():
 
 def test_summary_counts_slos_percentiles_and_failures():
     s = LoadtestSettings(slo_ttft_ms=100, slo_itl_ms=10)
-    good = Trace(0.0, [0.05, 0.055, 0.06], tokens=3)  # TTFT 50 ms, gaps 5 ms
-    slow_start = Trace(0.0, [0.2, 0.201], tokens=2)  # TTFT 200 ms
-    slow_tokens = Trace(0.0, [0.01, 0.05], tokens=2)  # a 40 ms gap
+    good = Trace(0.0, [0.05, 0.055, 0.06], tokens=3, finished=True)  # TTFT 50 ms, gaps 5 ms
+    slow_start = Trace(0.0, [0.2, 0.201], tokens=2, finished=True)  # TTFT 200 ms
+    slow_tokens = Trace(0.0, [0.01, 0.05], tokens=2, finished=True)  # a 40 ms gap
+    silent = Trace(0.0, tokens=4, finished=True)  # its tokens made no complete character: done, but untimed
     failed = Trace(0.0, error="HTTP 400: bad")
-    r = summarise([good, slow_start, slow_tokens, failed], wall_s=2.0, s=s)
-    assert r["completed"] == 3 and r["failed"] == 1 and r["errors"] == ["HTTP 400: bad"]
-    assert r["output_tokens"] == 7 and r["output_tok_s"] == pytest.approx(3.5)
-    assert r["goodput_requests_per_s"] == pytest.approx(0.5) and r["slo_met_share"] == pytest.approx(0.25)
+    cut = Trace(0.0, [0.01], tokens=1)  # the stream ended without a finish_reason
+    r = summarise([good, slow_start, slow_tokens, silent, failed, cut], wall_s=2.0, s=s)
+    assert r["completed"] == 4 and r["failed"] == 2 and r["errors"] == ["HTTP 400: bad"]
+    assert r["output_tokens"] == 11 and r["output_tok_s"] == pytest.approx(5.5)
+    assert r["goodput_requests_per_s"] == pytest.approx(0.5) and r["slo_met_share"] == pytest.approx(1 / 6)
     assert r["ttft_ms_p50"] == pytest.approx(50.0) and r["ttft_ms_p99"] == pytest.approx(200.0)
     assert r["itl_ms_p99"] == pytest.approx(40.0)
 
