@@ -28,6 +28,7 @@ from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.stages.base import RequestContext, Stage, StepContext
 from litellm_pipeline.telemetry import (
     FirstToken,
+    TokensGenerated,
     RequestAborted,
     RequestAdmitted,
     RequestArrived,
@@ -203,6 +204,8 @@ class Engine:
         emitted = {id(e.request): e for e in getattr(ctx, "emissions", ())}
         now = time.monotonic()
         outputs = []
+        gap_reqs: list[Request] = []
+        gaps: list[float] = []
         for req, token, logprobs in ctx.samples:
             if req.finished:
                 continue  # a stage listed the same request twice: the first sample counted
@@ -217,9 +220,18 @@ class Engine:
                 req.first_token_time = now
                 if self.bus.enabled:
                     self.bus.publish(FirstToken(req.request_id, now - req.arrival))
+            elif self.bus.enabled:
+                gap_reqs.append(req)
+                gaps.append(now - req.last_token_time)
+            req.last_token_time = now
             if reason is not None:
                 self._finish(req, reason, now)
             outputs.append(request_output(req, e.delta_text if e is not None else "", [token]))
+        if gaps:
+            self.bus.publish(TokensGenerated(
+                tuple(r.request_id for r in gap_reqs), tuple(gaps), tuple(r.tenant for r in gap_reqs),
+                tuple(r.tierset.name if r.tierset is not None else None for r in gap_reqs),
+            ))
         return outputs
 
     def _finish(self, req: Request, reason: str, now: float) -> None:

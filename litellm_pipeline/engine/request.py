@@ -69,6 +69,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None  # when its latest token was made (inter-token latency)
     finish_time: float | None = None
     # output text (the emit stage owns these)
     text: str = ""

@@ -1,7 +1,8 @@
 """The events the runtime publishes. Each is a small frozen record; ``kind`` is its stable name.
 
 Request lifecycle: arrived → (rejected | admitted) → scheduled → first_token → (finished | aborted), with
-preempted any number of times in between. KV cache: prefix lookups (hit and miss tokens), evictions,
+preempted any number of times in between, and one ``tokens`` event per step with the gap before every token
+after a request's first. KV cache: prefix lookups (hit and miss tokens), evictions,
 demotions to the warm tier and promotions from it. Engine: one ``step`` per engine step.
 """
 
@@ -19,6 +20,7 @@ __all__ = [
     "RequestCosted",
     "RequestScheduled",
     "FirstToken",
+    "TokensGenerated",
     "RequestFinished",
     "RequestAborted",
     "RequestPreempted",
@@ -80,6 +82,19 @@ class FirstToken(Event):
     kind: ClassVar[str] = "first_token"
     request_id: str
     ttft_s: float  # since arrival
+
+
+@dataclass(frozen=True, slots=True)
+class TokensGenerated(Event):
+    """One per step, for the requests that got a token after their first: the time since each one's previous
+    token (inter-token latency, one value per token; a step's requests in one event keeps it off the per-token
+    path)."""
+
+    kind: ClassVar[str] = "tokens"
+    request_ids: tuple[str, ...]
+    gaps_s: tuple[float, ...]
+    tenants: tuple[str, ...]  # each request's tenant and tier (a request that finished in this step has no
+    tiers: tuple[str | None, ...]  # other event left to name them by)
 
 
 @dataclass(frozen=True, slots=True)

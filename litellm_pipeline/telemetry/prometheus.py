@@ -92,6 +92,8 @@ class PrometheusSink:
         self.tpot = hist("time_per_output_token_seconds",
                          "Per request: mean time between output tokens, (e2e - ttft) / (output tokens - 1).",
                          _TPOT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between consecutive output tokens of a request.",
+                        _TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish of a finished request.", _E2E_BUCKETS)
         self.queue = hist("request_queue_time_seconds", "Arrival to first scheduled.", _TTFT_BUCKETS)
         self.running = Gauge(PREFIX + "num_requests_running", "Requests running after the last step.", registry=r)
@@ -132,6 +134,7 @@ class PrometheusSink:
             ev.TierSelected: self._tier_selected,
             ev.RequestScheduled: self._scheduled,
             ev.FirstToken: self._first_token,
+            ev.TokensGenerated: self._tokens,
             ev.RequestFinished: self._finished,
             ev.RequestAborted: self._aborted,
             ev.RequestCosted: self._costed,
@@ -184,6 +187,10 @@ class PrometheusSink:
         live = self._labels(e.request_id)
         live[3] = e.ttft_s
         self.ttft.labels(live[0], live[1]).observe(e.ttft_s)
+
+    def _tokens(self, e: ev.TokensGenerated) -> None:
+        for gap, tenant, tier in zip(e.gaps_s, e.tenants, e.tiers):
+            self.itl.labels(self._tenant(tenant), self._tier(tier)).observe(gap)
 
     def _finished(self, e: ev.RequestFinished) -> None:
         tenant, tier, _, ttft, _ = self._live.pop(e.request_id, None) or self._labels(e.request_id)

@@ -20,6 +20,7 @@ from litellm_pipeline.telemetry import (
     RequestRejected,
     RequestScheduled,
     StepFinished,
+    TokensGenerated,
 )
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -47,7 +48,7 @@ def test_memory_sink_sees_the_request_lifecycle(path):
     assert isinstance(sink, MemorySink) and sink.events.maxlen == 100000
     prompt = list(range(1, 11))
     (out,) = llm.generate(prompt, GREEDY, tier="fast", tenant="acme", request_id="r1")
-    kinds = [e.kind for e in sink.events if getattr(e, "request_id", "r1") == "r1" and e.kind != "step"]
+    kinds = [e.kind for e in sink.events if getattr(e, "request_id", "r1") == "r1" and e.kind not in ("step", "tokens")]
     assert kinds == ["arrived", "admitted", "tier_selected", "prefix_lookup", "scheduled", "first_token", "costed",
                      "finished"]
     (fin,) = sink.of(RequestFinished)
@@ -56,6 +57,9 @@ def test_memory_sink_sees_the_request_lifecycle(path):
     )
     assert fin.latency_s >= sink.of(FirstToken)[0].ttft_s >= sink.of(RequestScheduled)[0].queue_time_s >= 0
     assert sink.of(RequestAdmitted)[0].prompt_tokens == 10 and sink.of(RequestArrived)[0].tenant == "acme"
+    tokens = sink.of(TokensGenerated)  # one per step after the first token, the gap before each token
+    assert [e.request_ids for e in tokens] == [("r1",)] * 4 and all(e.gaps_s[0] >= 0 for e in tokens)
+    assert {(e.tenants, e.tiers) for e in tokens} == {(("acme",), ("fast",))}
     steps = sink.of(StepFinished)
     assert len(steps) == 5 and steps[0].prefill_tokens == 10 and steps[0].decode_tokens == 0
     assert all(s.batch_size == 1 and s.duration_s > 0 for s in steps)

@@ -39,6 +39,10 @@ def test_sink_counts_what_the_engine_did(llm):
     assert got[("request_success_total", (("finish_reason", "length"), *tt))] == 2
     assert got[("time_to_first_token_seconds_count", tt)] == 2
     assert got[("time_per_output_token_seconds_count", tt)] == 2
+    # one inter-token gap per token after each request's first (3 + 3), the last ones included although
+    # their requests finished in that same step
+    assert got[("inter_token_latency_seconds_count", tt)] == 6
+    assert got[("inter_token_latency_seconds_sum", tt)] > 0
     assert got[("tier_selections_total", (("mode", "fixed"), ("tier", "balanced")))] == 2
     assert got[("num_requests_running", ())] == 0 and got[("kv_blocks_used", (("pool", "hot"),))] == 0
 
