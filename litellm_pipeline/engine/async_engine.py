@@ -164,15 +164,21 @@ class AsyncEngine:
                         self._wake.wait(0.001)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
-        for out in outs:
-            with self._lock:
-                stream = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
-            if stream is None:
-                continue  # not ours (added straight to the engine) or its consumer already left
+        """Hand a step's deltas to their streams: one wake-up per event loop per step, not one per delta (each
+        wake-up is a write to the loop's self-pipe, and a busy server has dozens of streams on one loop)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outs:
+                rid = out.request_id
+                stream = self._streams.pop(rid, None) if out.finished else self._streams.get(rid)
+                if stream is not None:  # else not ours (added straight to the engine) or its consumer left
+                    batches.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in batches.items():
             try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
-            except RuntimeError:  # its event loop is closed: nobody will ever read this request
-                self.engine.abort(out.request_id)
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # its event loop is closed: nobody will ever read these requests
+                for _, out in items:
+                    self.engine.abort(out.request_id)
 
     @staticmethod
     def _step_error(rid: str, exc: Exception, error_id: str) -> EngineStepError:
@@ -192,3 +198,8 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, make_error(rid))
             except RuntimeError:  # its event loop is closed: nobody to tell
                 pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue, out in items:  # in step order: each request's deltas stay in order
+        queue.put_nowait(out)

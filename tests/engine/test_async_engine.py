@@ -13,7 +13,7 @@ import pytest
 from _engine_util import assert_pool_empty, greedy
 from hf_models import random_prompts
 
-from litellm_pipeline.engine.async_engine import AsyncEngine, EngineStepError
+from litellm_pipeline.engine.async_engine import AsyncEngine, EngineStepError, _put_all
 from litellm_pipeline.errors import OverloadedError
 
 
@@ -199,4 +199,32 @@ def test_idle_loop_sleeps_and_shutdown_stops_thread(llama, monkeypatch):
     with pytest.raises(OverloadedError, match="not running") as info:
         run(after())
     assert info.value.status_code == 503
+    assert_pool_empty(llama)
+
+
+def test_a_steps_deltas_reach_their_loop_in_one_wake_up(llama):
+    """Eight streams on one event loop: each step's deltas arrive through one call_soon_threadsafe, not eight,
+    in order and equal to what the streams would get one call at a time."""
+    prompts = random_prompts([5, 9, 12, 7, 15, 6, 10, 8], seed=5)
+    params = greedy(6)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []
+        real = loop.call_soon_threadsafe
+
+        def counting(cb, *args, **kw):
+            if cb is _put_all:  # the engine loop's deliveries (other threads may wake the loop too)
+                calls.append(len(args[0]))
+            return real(cb, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        async with AsyncEngine(llama.engine) as aeng:
+            results = await asyncio.gather(*(collect(aeng, p, params) for p in prompts))
+        return calls, results
+
+    calls, results = run(main())
+    assert all(len(joined(r)[0]) == 6 for r in results)
+    assert sum(calls) == sum(len(r) for r in results)  # every delta delivered once
+    assert max(calls) > 1 and len(calls) < sum(calls)  # batched: fewer wake-ups than deltas
     assert_pool_empty(llama)
