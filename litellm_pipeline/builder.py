@@ -22,6 +22,7 @@ from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool
 from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes_per_block
 from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.interface_check import instance_error
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.telemetry import build_bus
@@ -182,6 +183,8 @@ def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
 
 
 def build_from_app(app: AppConfig) -> Engine:
+    # before the first lookup: which plugins may load is part of this config
+    registry.set_plugin_filter(app.plugins.allow, app.plugins.deny)
     classes = stage_classes(app.pipeline)
     sched_cls = _lookup("scheduler", app.engine.scheduler, "engine.scheduler")
     policy_cls = _lookup("kv_policy", app.cache.kv_policy, "cache.kv_policy")
@@ -248,6 +251,10 @@ def build_from_app(app: AppConfig) -> Engine:
         kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus,
         **sched_kwargs,
     )
+    # what stages and telemetry read off the scheduler exists only once it is built
+    missing = instance_error("scheduler", app.engine.scheduler, scheduler)
+    if missing is not None:
+        raise ConfigError(f"engine.scheduler: {missing}")
     rt = Runtime(
         model=model,
         model_cfg=mc,

@@ -173,6 +173,28 @@ class ServerSection(_Section):
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
 
 
+def _plugin_name(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must be a plugin name: an entry point or distribution name (wildcards allowed), not blank")
+    return v.strip()
+
+
+_PluginName = Annotated[str, AfterValidator(_plugin_name)]
+
+
+class PluginsSection(_Section):
+    """Which third-party plugins (entry points) may load (conf/plugins; see litellm_pipeline.plugin_filter).
+
+    Names: an entry point's name (``example_plugin``; per-kind entries also ``<kind>:<name>``) or a
+    distribution's name, with shell-style wildcards. ``allow`` null: every installed plugin; a list: only those.
+    ``deny`` wins over ``allow``. Built-ins always load. ``LITELLM_PIPELINE_PLUGINS_ALLOW`` / ``_DENY``
+    (comma-separated) narrow this further.
+    """
+
+    allow: list[_PluginName] | None = None
+    deny: list[_PluginName] = []
+
+
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -237,6 +259,7 @@ class AppConfig(_Section):
     cache: CacheSection = CacheSection()
     telemetry: TelemetrySection = TelemetrySection()
     server: ServerSection = ServerSection()
+    plugins: PluginsSection = PluginsSection()
     # conf/tenants: name -> tenant; empty = the open single-tenant mode (no API key, no quota)
     tenants: dict[str, TenantSection] = {}
     # task-specific sections: validated by the task that reads them

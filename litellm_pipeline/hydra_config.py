@@ -13,7 +13,8 @@ Registering from this module works identically from a checkout and from a wheel,
 entry point that composes the config (:func:`compose`, :func:`hydra_main`) imports this module
 first. The cost: code that composes ``conf/`` through Hydra directly must call
 :func:`register_recipe_source` first, or Hydra fails loudly with "No config source registered
-for schema litellm-recipes".
+for schema litellm-recipes". The config groups of installed plugins come the same way, from the
+``litellm-plugins://`` source (:mod:`litellm_pipeline.plugin_conf`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from omegaconf import DictConfig, OmegaConf
+
+from litellm_pipeline.plugin_conf import PluginConfigSource
 
 RECIPE_GROUP = "recipe"
 RECIPE_SCHEME = "litellm-recipes"
@@ -136,12 +139,14 @@ class RecipeConfigSource(ConfigSource):
 
 
 def register_recipe_source() -> None:
-    """Make ``litellm-recipes://`` known to Hydra (idempotent).
+    """Make ``litellm-recipes://`` and ``litellm-plugins://`` (plugins' config groups, see
+    :mod:`litellm_pipeline.plugin_conf`) known to Hydra (idempotent).
 
     Done at import and again before each composition, because Hydra launchers may reset its
     singletons (``Singleton.set_state``) to a state captured before this module was imported.
     """
     SourcesRegistry.instance().register(RecipeConfigSource)
+    SourcesRegistry.instance().register(PluginConfigSource)
 
 
 register_recipe_source()

@@ -8,22 +8,33 @@ packages add entries through Python entry points, loaded lazily the first time a
 * group ``litellm_pipeline.<kind>`` (e.g. ``litellm_pipeline.sampler``): the entry point's name is
   the registry name and its value (``"pkg.mod:Class"``) is imported on first use.
 
-A plugin that fails to load is reported by name (a warning, and in every "unknown name" error) and
-does not take the other plugins down. Registering a name twice is an error; looking up an unknown
-name is an error listing the known ones. A name of the form ``"pkg.mod:Attr"`` is imported directly,
-so a config can point at an implementation that lives in any importable module.
+Every entry is checked against its kind's interface (:mod:`litellm_pipeline.interfaces`) when it is
+registered: an object that lacks a method fails then, naming the kind, the name and what is missing.
+A plugin that fails to load (or registers such an object) is reported by name (a warning, the listing,
+and every "unknown name" error), what it registered is taken back, and the other plugins are unaffected.
+Which plugins load is filtered by ``plugins.allow`` / ``plugins.deny`` and their environment variables
+(:mod:`litellm_pipeline.plugin_filter`); a plugin the filter refuses is not imported, and one refused
+after it loaded is hidden (and shown again, without reloading, when the filter allows it again).
+
+Registering a name twice is an error; looking up an unknown name is an error listing the known ones.
+A name of the form ``"pkg.mod:Attr"`` is imported directly (and checked the same way), so a config can
+point at an implementation that lives in any importable module.
 
 Lookups happen only while the pipeline is built, never on the per-token path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-import inspect
 import threading
 import warnings
+from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from litellm_pipeline.interface_check import conformance_error
+from litellm_pipeline.plugin_filter import PluginFilter
 
 KINDS: tuple[str, ...] = (
     "stage",
@@ -38,17 +49,49 @@ KINDS: tuple[str, ...] = (
     "telemetry",
 )
 PLUGIN_GROUP = "litellm_pipeline.plugins"
+_PACKAGE = __name__.split(".")[0]
 
 T = TypeVar("T")
 
 
 class RegistryError(LookupError):
-    """Unknown kind, unknown name, or a duplicate registration."""
+    """Unknown kind, unknown name, a duplicate registration, or an entry that does not satisfy its interface."""
 
+
+@dataclass(frozen=True)
+class Origin:
+    """Where an entry (or a plugin) comes from: built in, an entry point of a distribution, or run-time code."""
+
+    builtin: bool = False
+    plugin: str | None = None  # the plugin (entry point) it came through: its name, or "<kind>:<name>"
+    dist: str | None = None
+    version: str | None = None
+    entry_point: str | None = None  # "group: name = value"
+    module: str | None = None  # a run-time registration: the module of the object
+
+    def __str__(self) -> str:
+        if self.builtin:
+            return "built-in"
+        if self.dist:
+            return f"{self.dist} {self.version}"
+        if self.plugin:
+            return f"entry point {self.entry_point}"
+        return f"module {self.module}"
+
+
+BUILTIN = Origin(builtin=True)
 
 _entries: dict[str, dict[str, Any]] = {k: {} for k in KINDS}
+_origins: dict[str, dict[str, Origin]] = {k: {} for k in KINDS}  # also for not-yet-loaded lazy entries
 _lazy: dict[str, dict[str, metadata.EntryPoint]] = {k: {} for k in KINDS}
-_broken: dict[str, str] = {}  # plugin name -> error text
+_broken: dict[str, str] = {}  # plugin -> error text
+_skipped: dict[str, str] = {}  # plugin -> why the filter refused it
+_plugins: dict[str, Origin] = {}  # every plugin seen by the last scan
+_hidden: dict[str, list[tuple[str, str, Any]]] = {}  # plugin -> (kind, name, obj) it registered, now refused
+_loaded: set[str] = set()  # litellm_pipeline.plugins entry points already loaded (never called twice)
+_filter_settings: tuple[tuple[str, ...] | None, tuple[str, ...]] = (None, ())  # the config's (allow, deny)
+_active_filter: PluginFilter | None = None  # the filter of the last scan (config and environment)
+_loading: Origin | None = None  # the plugin being loaded: entries registered now come from it
 _plugins_loaded = False
 _builtins_loaded = False
 _lock = threading.RLock()
@@ -71,39 +114,11 @@ _BUILTIN_MODULES = (
 )
 
 
-# What an entry of each kind must look like, checked before an import string's object (or a lazily loaded
-# entry point) is ever called: a class with these methods / attributes, or a plain function taking this many
-# positional parameters. Config is trusted code, but a typo (or "os:system") must not run something else.
-_CLASS_SHAPES: dict[str, tuple[str, ...]] = {
-    "stage": ("level", "inputs", "outputs", "__call__"),
-    "layer_ops": ("linear", "rms_norm", "add_rms_norm", "silu_mul", "rotary", "route"),
-    "router": ("plan",),
-    "sampler": ("__call__",),
-    "kv_policy": ("add", "remove", "hit", "forget", "pop", "__len__", "__contains__"),
-    "budget_solver": ("solve",),
-    "scheduler": ("add", "schedule", "finish", "has_unfinished"),
-    "telemetry": ("publish",),
-}
-_FUNCTION_ARITY: dict[str, int] = {"attention": 8, "moe_dispatch": 6}
-
-
 def check_shape(kind: str, name: str, obj: Any) -> None:
-    """Raise :class:`RegistryError` unless ``obj`` has the shape of a ``kind`` entry (see ``_CLASS_SHAPES``)."""
-    what = f"{kind} {name!r} resolves to {getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
-    if kind in _FUNCTION_ARITY:
-        n = _FUNCTION_ARITY[kind]
-        if not inspect.isfunction(obj):
-            raise RegistryError(f"{what}, which is not a Python function (a {kind} is a function of {n} arguments)")
-        try:
-            inspect.signature(obj).bind(*range(n))
-        except TypeError as exc:
-            raise RegistryError(f"{what}, which cannot take the {n} arguments of a {kind} ({exc})") from None
-        return
-    if not inspect.isclass(obj):
-        raise RegistryError(f"{what}, which is not a class (a {kind} entry is a class)")
-    missing = [m for m in _CLASS_SHAPES.get(kind, ()) if not hasattr(obj, m)]
-    if missing:
-        raise RegistryError(f"{what}, which lacks {', '.join(missing)} (needed by every {kind})")
+    """Raise :class:`RegistryError` unless ``obj`` satisfies the interface of ``kind`` (see interface_check)."""
+    error = conformance_error(kind, name, obj)
+    if error is not None:
+        raise RegistryError(error)
 
 
 def _check_kind(kind: str) -> None:
@@ -122,9 +137,15 @@ def register(kind: str, name: str) -> Callable[[T], T]:
     return deco
 
 
+def _run_time_origin(obj: Any) -> Origin:
+    module = getattr(obj, "__module__", None) or "?"
+    return BUILTIN if module.split(".")[0] == _PACKAGE else Origin(module=module)
+
+
 def add(kind: str, name: str, obj: Any) -> None:
-    """Register ``obj`` as ``kind/name``; a duplicate name is an error."""
+    """Register ``obj`` as ``kind/name``: it must satisfy the kind's interface, and the name must be new."""
     _check_kind(kind)
+    check_shape(kind, name, obj)
     with _lock:
         if name in _entries[kind]:
             prev = _entries[kind][name]
@@ -133,6 +154,7 @@ def add(kind: str, name: str, obj: Any) -> None:
                 f"{getattr(prev, '__module__', '?')}.{getattr(prev, '__qualname__', prev)!s}"
             )
         _entries[kind][name] = obj
+        _origins[kind][name] = _loading if _loading is not None else _run_time_origin(obj)
 
 
 def remove(kind: str, name: str) -> None:
@@ -140,6 +162,8 @@ def remove(kind: str, name: str) -> None:
     _check_kind(kind)
     with _lock:
         _entries[kind].pop(name, None)
+        if name not in _lazy[kind]:
+            _origins[kind].pop(name, None)
 
 
 def _load_builtins() -> None:
@@ -158,35 +182,183 @@ def _entry_points(group: str) -> list[metadata.EntryPoint]:
         return []
 
 
+def entry_point_origin(ep: metadata.EntryPoint, plugin: str) -> Origin:
+    """The distribution (name, version) an entry point belongs to."""
+    dist = getattr(ep, "dist", None)
+    name = version = None
+    if dist is not None:
+        name, version = dist.metadata["Name"], dist.version
+    return Origin(plugin=plugin, dist=name, version=version, entry_point=f"{ep.group}: {ep.name} = {ep.value}")
+
+
+def _entries_of(plugin: str) -> list[tuple[str, str, Any]]:
+    return [(k, n, obj) for k in KINDS for n, obj in _entries[k].items() if _origins[k].get(n, BUILTIN).plugin == plugin]
+
+
+def _withdraw(plugin: str, keep: Iterable[tuple[str, str]] = ()) -> list[tuple[str, str, Any]]:
+    """Take back the entries ``plugin`` registered, except ``keep`` (it failed halfway, or the filter now
+    refuses it)."""
+    keep = set(keep)
+    taken = [e for e in _entries_of(plugin) if e[:2] not in keep]
+    for kind, name, _ in taken:
+        del _entries[kind][name]
+    return taken
+
+
+def _restore(plugin: str) -> None:
+    """Show a plugin's hidden entries again (the filter allows it again)."""
+    for kind, name, obj in _hidden.pop(plugin, ()):
+        if name in _entries[kind] and _entries[kind][name] is not obj:
+            _broken[plugin] = f"duplicate {kind} name {name!r} (registered meanwhile by someone else)"
+        else:
+            _entries[kind][name] = obj
+
+
+def _refuse(plugin: str, why: str) -> None:
+    _skipped[plugin] = why
+    taken = _withdraw(plugin)
+    if taken:
+        _hidden.setdefault(plugin, []).extend(taken)
+
+
+def _load_eager(ep: metadata.EntryPoint, origin: Origin) -> None:
+    """Import (and call) one ``litellm_pipeline.plugins`` entry point; a failure withdraws what it registered."""
+    global _loading
+    before = [e[:2] for e in _entries_of(ep.name)]  # a forced reload keeps what an earlier load registered
+    _loading = origin
+    try:
+        obj = ep.load()
+        if callable(obj) and not isinstance(obj, type):
+            obj()
+    except Exception as exc:  # a broken plugin must not take the others down
+        _withdraw(ep.name, keep=before)
+        _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"litellm_pipeline plugin {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=3)
+    finally:
+        _loading = None
+
+
+def _scan_lazy(kind: str, ep: metadata.EntryPoint, flt: PluginFilter) -> None:
+    plugin = f"{kind}:{ep.name}"
+    origin = entry_point_origin(ep, plugin)
+    _plugins[plugin] = origin
+    why = flt.refusal(ep.name, plugin, origin.dist)
+    if why is not None:
+        if _lazy[kind].pop(ep.name, None) is not None:
+            del _origins[kind][ep.name]
+        _refuse(plugin, why)
+        return
+    _restore(plugin)
+    if ep.name not in _entries[kind]:
+        _lazy[kind][ep.name] = ep
+        _origins[kind][ep.name] = origin
+    elif (_origins[kind][ep.name].plugin != plugin
+          and getattr(_entries[kind][ep.name], "__module__", None) != ep.module):
+        _broken[plugin] = f"duplicate {kind} name {ep.name!r} (from {ep.value})"
+        warnings.warn(f"litellm_pipeline plugin entry {ep.value!r}: duplicate {kind} name {ep.name!r}", stacklevel=3)
+
+
 def load_plugins(force: bool = False) -> dict[str, str]:
-    """Load third-party entry points once; returns ``{plugin: error}`` for those that failed."""
-    global _plugins_loaded
+    """Scan the installed plugins (once, or again when the filter changed); returns ``{plugin: error}`` for those
+    that failed. ``force``: forget failures and load every allowed plugin again."""
+    global _plugins_loaded, _active_filter
     with _lock:
         if _plugins_loaded and not force:
             return dict(_broken)
         _plugins_loaded = True
         if force:
             _broken.clear()
+            _loaded.clear()
+        flt = _active_filter = PluginFilter.from_settings(*_filter_settings)
+        _skipped.clear()
         for ep in _entry_points(PLUGIN_GROUP):
-            try:
-                obj = ep.load()
-                if callable(obj) and not isinstance(obj, type):
-                    obj()
-            except Exception as exc:  # a broken plugin must not take the others down
-                _broken[ep.name] = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"litellm_pipeline plugin {ep.name!r} ({ep.value}) failed to load: {exc}", stacklevel=2)
+            origin = _plugins[ep.name] = entry_point_origin(ep, ep.name)
+            why = flt.refusal(ep.name, origin.dist)
+            if why is not None:
+                _refuse(ep.name, why)
+                continue
+            _restore(ep.name)
+            if ep.name not in _loaded:
+                _loaded.add(ep.name)
+                _load_eager(ep, origin)
         for kind in KINDS:
             for ep in _entry_points(f"litellm_pipeline.{kind}"):
-                if ep.name not in _entries[kind]:
-                    _lazy[kind][ep.name] = ep
-                elif getattr(_entries[kind][ep.name], "__module__", None) != ep.module:
-                    _broken[f"{kind}:{ep.name}"] = f"duplicate {kind} name {ep.name!r} (from {ep.value})"
-                    warnings.warn(f"litellm_pipeline plugin entry {ep.value!r}: duplicate {kind} name {ep.name!r}", stacklevel=2)
+                _scan_lazy(kind, ep, flt)
         return dict(_broken)
 
 
+def set_plugin_filter(allow: Iterable[str] | None = None, deny: Iterable[str] = ()) -> None:
+    """Apply ``plugins.allow`` / ``plugins.deny`` (the builder calls it before any lookup). Plugins are scanned
+    again when this, or the environment variables, changed what is allowed since the last scan."""
+    global _filter_settings, _plugins_loaded
+    settings = (None if allow is None else tuple(allow), tuple(deny))
+    with _lock:
+        _filter_settings = settings
+        if PluginFilter.from_settings(*settings) != _active_filter:
+            _plugins_loaded = False
+
+
 def broken_plugins() -> dict[str, str]:
+    """``{plugin: error}`` of the plugins that failed to load."""
     return dict(_broken)
+
+
+def skipped_plugins() -> dict[str, str]:
+    """``{plugin: why}`` of the plugins that ``plugins.allow`` / ``plugins.deny`` kept out."""
+    return dict(_skipped)
+
+
+def plugin_origin(plugin: str) -> Origin | None:
+    """The distribution a plugin (as named in :func:`broken_plugins` / :func:`skipped_plugins`) belongs to."""
+    return _plugins.get(plugin)
+
+
+def origin(kind: str, name: str) -> Origin:
+    """Where ``kind/name`` comes from (``str(origin)``: ``built-in``, ``dist version`` or ``module m``)."""
+    if name not in names(kind):
+        raise _unknown(kind, name)
+    return _origins[kind][name]
+
+
+def load_all() -> None:
+    """Import every lazily declared entry now (the listing does, to show and check each); failures are recorded
+    in :func:`broken_plugins` and leave the others alone."""
+    for kind in KINDS:
+        for name in list(names(kind)):
+            if name in _lazy[kind]:
+                try:
+                    get(kind, name)
+                except RegistryError:
+                    pass
+
+
+_STATE = ("_entries", "_origins", "_lazy", "_broken", "_skipped", "_plugins", "_hidden", "_loaded",
+          "_filter_settings", "_active_filter", "_plugins_loaded")
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    """For tests: whatever is registered, loaded or filtered inside is thrown away on exit.
+
+    Built-ins and the installed plugins are loaded into the real registry first (a module plugin registers at
+    its first import only, so importing it inside would lose its entries for good): enter this before putting
+    a test's fake distributions on ``sys.path``."""
+    names("stage")
+    module = globals()
+    with _lock:
+        saved = {k: module[k] for k in _STATE}
+        for k in _STATE:
+            v = saved[k]
+            if isinstance(v, dict):
+                module[k] = {kk: (dict(vv) if isinstance(vv, dict) else list(vv) if isinstance(vv, list) else vv)
+                             for kk, vv in v.items()}
+            elif isinstance(v, set):
+                module[k] = set(v)
+    try:
+        yield
+    finally:
+        with _lock:
+            module.update(saved)
 
 
 def names(kind: str) -> list[str]:
@@ -195,6 +367,16 @@ def names(kind: str) -> list[str]:
     _load_builtins()
     load_plugins()
     return sorted(set(_entries[kind]) | set(_lazy[kind]))
+
+
+def _unknown(kind: str, name: str) -> RegistryError:
+    known = names(kind)
+    msg = f"unknown {kind} {name!r}; known {kind} names: {', '.join(known) or '(none)'}"
+    if _broken:
+        msg += "; plugins that failed to load: " + ", ".join(f"{k} ({v})" for k, v in sorted(_broken.items()))
+    if _skipped:
+        msg += "; plugins not loaded: " + ", ".join(f"{k} ({v})" for k, v in sorted(_skipped.items()))
+    return RegistryError(msg)
 
 
 def get(kind: str, name: str) -> Any:
@@ -207,11 +389,13 @@ def get(kind: str, name: str) -> Any:
             return _entries[kind][name]
         if name in _lazy[kind]:
             ep = _lazy[kind].pop(name)
+            plugin = f"{kind}:{name}"
             try:
                 obj = ep.load()
                 check_shape(kind, name, obj)
             except Exception as exc:
-                _broken[ep.name] = f"{type(exc).__name__}: {exc}"
+                _origins[kind].pop(name, None)
+                _broken[plugin] = f"{type(exc).__name__}: {exc}"
                 raise RegistryError(f"{kind} {name!r} comes from plugin {ep.value!r}, which failed to load: {exc}") from exc
             _entries[kind][name] = obj
             return obj
@@ -223,8 +407,4 @@ def get(kind: str, name: str) -> Any:
             raise RegistryError(f"{kind} {name!r}: cannot import {attr!r} from {mod_name!r}: {exc}") from exc
         check_shape(kind, name, obj)
         return obj
-    known = names(kind)
-    msg = f"unknown {kind} {name!r}; known {kind} names: {', '.join(known) or '(none)'}"
-    if _broken:
-        msg += "; plugins that failed to load: " + ", ".join(f"{k} ({v})" for k, v in sorted(_broken.items()))
-    raise RegistryError(msg)
+    raise _unknown(kind, name)

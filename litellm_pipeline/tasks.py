@@ -197,3 +197,15 @@ def loadtest(cfg: DictConfig) -> dict:
 
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     return run_loadtest(cfg, overrides)
+
+
+@task("plugins")
+def plugins(cfg: DictConfig) -> dict:
+    """Every registered implementation per kind with its origin and one-line doc, plugins' config options, and
+    the plugins that failed to load or were skipped (see litellm_pipeline.plugin_listing). Loads no model."""
+    from litellm_pipeline.builder import to_plain
+    from litellm_pipeline.config_schema import validate_config
+    from litellm_pipeline.plugin_listing import run_listing
+
+    section = validate_config(to_plain(cfg)).plugins
+    return run_listing(section.allow, section.deny)

@@ -87,6 +87,9 @@ class LateRequestStage(Stage):
     level = "request"
     inputs = ("request",)
 
+    def __call__(self, ctx) -> None:
+        pass
+
 
 def test_request_stage_after_step_stage_is_rejected(tmp_path):
     with pytest.raises(ConfigError) as exc:

@@ -125,9 +125,15 @@ def built_wheel(tmp_path_factory) -> tuple[Path, Path]:
     test needs no index and uses the venv's setuptools.
     """
     src = tmp_path_factory.mktemp("src") / "litellm_pipeline"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
-        ".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "outputs", "multirun",
-        ".pytest_cache", "tests", "plugins"))
+    anywhere = shutil.ignore_patterns(".venv", ".git", "build", "dist", "*.egg-info", "__pycache__", "outputs",
+                                      "multirun", ".pytest_cache")
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        # tests/ and the example plugins/ only at the top: conf/plugins/ is a config group the wheel ships
+        top = {"tests", "plugins"} & set(names) if Path(folder) == ROOT else set()
+        return set(anywhere(folder, names)) | top
+
+    shutil.copytree(ROOT, src, ignore=ignore)
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                     "--no-index", "-q", "-w", str(out)], check=True, timeout=300)

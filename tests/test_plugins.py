@@ -98,16 +98,21 @@ def test_plugin_entries_are_registered():
     assert BanTokens.inputs == ("logits", "sample_requests") and BanTokens.outputs == ("logits",)
 
 
-def test_register_is_idempotent_but_catches_clashes(monkeypatch):
+def test_register_is_idempotent_but_catches_clashes():
     import litellm_pipeline_example_plugin as plugin
 
     plugin.register()  # what load_plugins(force=True) does again: no duplicate error
     assert registry.get("stage", "ban_tokens") is plugin.BanTokens
-    monkeypatch.setattr(registry, "_entries", {k: dict(v) for k, v in registry._entries.items()})
-    registry.remove("stage", "ban_tokens")
-    registry.add("stage", "ban_tokens", object())  # someone else's stage under the same name
-    with pytest.raises(registry.RegistryError, match="ban_tokens"):
-        plugin.register()
+
+    class OtherStage(plugin.BanTokens):  # someone else's stage under the same name
+        pass
+
+    with registry.isolated():
+        registry.remove("stage", "ban_tokens")
+        registry.add("stage", "ban_tokens", OtherStage)
+        with pytest.raises(registry.RegistryError, match="ban_tokens"):
+            plugin.register()
+    assert registry.get("stage", "ban_tokens") is plugin.BanTokens
 
 
 # -- ban_tokens -------------------------------------------------------------------------------------------

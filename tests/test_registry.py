@@ -16,20 +16,37 @@ FAKE_MODULES = ("fake_good_mod", "fake_broken_mod", "fake_cb_mod", "fake_lazy_mo
 
 
 @pytest.fixture
-def fresh_registry(monkeypatch):
-    """The registry with built-ins (and installed plugins) loaded, on copies that are thrown away afterwards.
-
-    Module-level state is replaced through monkeypatch, so the real dicts and flags come back unchanged
-    whatever the test does; plugins are marked not loaded so the next lookup scans entry points again.
-    """
-    registry.names("stage")  # built-ins and installed plugins go into the real registry first
-    monkeypatch.setattr(registry, "_entries", {k: dict(v) for k, v in registry._entries.items()})
-    monkeypatch.setattr(registry, "_lazy", {k: dict(v) for k, v in registry._lazy.items()})
-    monkeypatch.setattr(registry, "_broken", {})
-    monkeypatch.setattr(registry, "_plugins_loaded", False)
-    yield registry
+def fresh_registry():
+    """The registry with built-ins (and installed plugins) loaded, on copies that are thrown away afterwards
+    (``registry.isolated``), so the real state comes back unchanged whatever the test does."""
+    with registry.isolated():
+        yield registry
     for mod in FAKE_MODULES:
         sys.modules.pop(mod, None)
+
+
+# the smallest classes that satisfy their kinds' interfaces (litellm_pipeline.interfaces)
+class TinyPolicy:
+    def add(self, block): pass
+    def remove(self, block): pass
+    def hit(self, block): pass
+    def forget(self, block): pass
+    def pop(self): return None
+    def __len__(self): return 0
+    def __contains__(self, block): return False
+
+
+class TinySolver:
+    def solve(self, problem): return None
+
+
+class TinySampler:
+    def __call__(self, logits, rows): raise NotImplementedError
+
+
+class TinyRouter:
+    def __init__(self, model_cfg, device): pass
+    def plan(self, schedule): return None
 
 
 def _write_fake_dist(root, entry_points: str, modules: dict[str, str]) -> None:
@@ -47,12 +64,24 @@ GOOD_MOD = """
     @register("stage", "fake_good_stage")
     class FakeGoodStage:
         level = "step"
+        inputs = ("samples",)
+        outputs = ("samples",)
+
+        def __init__(self, rt):
+            pass
+
+        def __call__(self, ctx):
+            pass
 """
 CB_MOD = """
     from litellm_pipeline import registry
 
     class FakeRouter:
-        pass
+        def __init__(self, model_cfg, device):
+            pass
+
+        def plan(self, schedule):
+            return None
 
     CALLS = []
 
@@ -67,6 +96,9 @@ LAZY_MOD = """
     class LazySampler:
         def __init__(self, **params):
             self.params = params
+
+        def __call__(self, logits, rows):
+            raise NotImplementedError
 """
 # the broken plugin comes first, so the good ones are loaded after it failed
 ENTRY_POINTS = """
@@ -101,7 +133,7 @@ def fake_plugins(tmp_path, monkeypatch, fresh_registry):
 
 def test_decorator_registers_and_returns_object(fresh_registry):
     @registry.register("kv_policy", "test_lru")
-    class TestLRU:
+    class TestLRU(TinyPolicy):
         pass
 
     assert TestLRU.__name__ == "TestLRU"  # the decorator hands the class back unchanged
@@ -111,10 +143,10 @@ def test_decorator_registers_and_returns_object(fresh_registry):
 
 
 def test_same_name_in_two_kinds_is_fine(fresh_registry):
-    registry.add("kv_policy", "twin", 1)
-    registry.add("budget_solver", "twin", 2)
-    assert registry.get("kv_policy", "twin") == 1
-    assert registry.get("budget_solver", "twin") == 2
+    registry.add("kv_policy", "twin", TinyPolicy)
+    registry.add("budget_solver", "twin", TinySolver)
+    assert registry.get("kv_policy", "twin") is TinyPolicy
+    assert registry.get("budget_solver", "twin") is TinySolver
 
 
 def test_builtins_are_registered(fresh_registry):
@@ -126,13 +158,13 @@ def test_builtins_are_registered(fresh_registry):
 
 def test_duplicate_name_is_an_error_naming_it(fresh_registry):
     @registry.register("kv_policy", "dup_policy")
-    class First:
+    class First(TinyPolicy):
         pass
 
     with pytest.raises(RegistryError, match="dup_policy") as exc:
 
         @registry.register("kv_policy", "dup_policy")
-        class Second:
+        class Second(TinyPolicy):
             pass
 
     assert "duplicate" in str(exc.value)
@@ -141,12 +173,12 @@ def test_duplicate_name_is_an_error_naming_it(fresh_registry):
 
 
 def test_duplicate_of_a_builtin_is_an_error(fresh_registry):
-    with pytest.raises(RegistryError, match="'greedy'"):
-        registry.add("sampler", "greedy", object())
+    with pytest.raises(RegistryError, match="duplicate sampler name 'greedy'"):
+        registry.add("sampler", "greedy", TinySampler)
 
 
 def test_unknown_name_lists_known_names(fresh_registry):
-    registry.add("sampler", "test_known_sampler", object())
+    registry.add("sampler", "test_known_sampler", TinySampler)
     with pytest.raises(RegistryError) as exc:
         registry.get("sampler", "no_such_sampler")
     msg = str(exc.value)
@@ -169,7 +201,7 @@ def test_unknown_kind_is_an_error(fresh_registry):
 
 
 def test_remove(fresh_registry):
-    registry.add("router", "temp_router", object())
+    registry.add("router", "temp_router", TinyRouter)
     registry.remove("router", "temp_router")
     assert "temp_router" not in registry.names("router")
     registry.remove("router", "temp_router")  # removing a missing name is a no-op
@@ -186,7 +218,8 @@ def test_import_string_lookup(fresh_registry):
 
 def test_import_string_from_any_module(fresh_registry, tmp_path, monkeypatch):
     (tmp_path / "fake_attr_mod.py").write_text(
-        "class MyStage:\n    level = 'step'\n    inputs = ()\n    outputs = ()\n    def __call__(self, ctx): pass\n"
+        "class MyStage:\n    level = 'step'\n    inputs = ()\n    outputs = ()\n"
+        "    def __init__(self, rt): pass\n    def __call__(self, ctx): pass\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     obj = registry.get("stage", "fake_attr_mod:MyStage")
@@ -205,11 +238,11 @@ def test_bad_import_string_is_a_registry_error(fresh_registry, name):
     [
         ("sampler", "os:system", "is not a class"),
         ("stage", "os:getcwd", "is not a class"),
-        ("kv_policy", "collections:OrderedDict", "lacks add, remove, hit, forget"),
-        ("stage", "litellm_pipeline.sampling.samplers:GreedySampler", "lacks level, inputs, outputs"),
+        ("kv_policy", "collections:OrderedDict", "missing methods: add, remove, hit, forget"),
+        ("stage", "litellm_pipeline.sampling.samplers:GreedySampler", "missing class attributes: level, inputs, outputs"),
         ("attention", "os:system", "is not a Python function"),
         ("attention", "litellm_pipeline.sampling.samplers:apply_penalties", "cannot take the 8 arguments"),
-        ("telemetry", "litellm_pipeline.telemetry.events:StepFinished", "lacks publish"),
+        ("telemetry", "litellm_pipeline.telemetry.events:StepFinished", "missing methods: publish"),
     ],
 )
 def test_import_string_must_have_the_shape_of_its_kind(fresh_registry, kind, name, text):
@@ -287,11 +320,11 @@ def test_per_kind_entry_point_is_lazy(fake_plugins):
 
 def test_broken_lazy_entry_point_fails_on_get_only(fake_plugins):
     assert "fake_lazy_broken" in registry.names("sampler")
-    assert "fake_lazy_broken" not in registry.broken_plugins()  # nothing imported yet
+    assert "sampler:fake_lazy_broken" not in registry.broken_plugins()  # nothing imported yet
     with pytest.raises(RegistryError, match="fake_lazy_broken") as exc:
         registry.get("sampler", "fake_lazy_broken")
     assert "boom at import" in str(exc.value)
-    assert "fake_lazy_broken" in registry.broken_plugins()
+    assert "boom at import" in registry.broken_plugins()["sampler:fake_lazy_broken"]
     # the other lazy entry of the same kind is unaffected
     assert registry.get("sampler", "fake_lazy").__name__ == "LazySampler"
 

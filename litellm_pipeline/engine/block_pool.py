@@ -31,6 +31,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.policy = policy if policy is not None else LRUPolicy()
         self.on_evict = on_evict
+        # optional policy hook: where a newly cached block sits in its prefix chain (cost-aware policies use it)
+        self._describe = getattr(self.policy, "describe", None)
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
@@ -92,12 +94,17 @@ class BlockPool:
         self.ref_counts[b] += 1
         self.policy.hit(b)
 
-    def register(self, b: int, h: bytes) -> None:
-        """Record that block ``b`` (in use) now holds the full block whose content hash is ``h``."""
+    def register(self, b: int, h: bytes, depth: int = 0, parent: int | None = None) -> None:
+        """Record that block ``b`` (in use) now holds the full block whose content hash is ``h``.
+
+        ``depth`` (1 = a prompt's first block; 0 = unknown) and ``parent`` (the cached block of the previous
+        link of its chain, None for the first) are passed on to a policy that has ``describe``."""
         if self.block_hash[b] is not None or h in self.cached:
             return  # already cached (same content elsewhere): keep the first copy
         self.block_hash[b] = h
         self.cached[h] = b
+        if self._describe is not None and depth:
+            self._describe(b, depth, parent)
 
     def discard(self, b: int) -> None:
         """Forget the content of a cached block that no request references; it becomes free at once."""

@@ -206,7 +206,7 @@ class KVCacheManager:
                 slot = self.warm.take(h)  # first: the hot allocation may demote blocks into the warm pool
                 b = self.hot.allocate(1)[0]
                 self.warm.promote(slot, self.hot_kv, b)
-                self.hot.register(b, h)
+                self.hot.register(b, h, len(got) + 1, got[-1] if got else None)
                 promoted += 1
             else:
                 break
@@ -233,7 +233,10 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(req, full * self.block_size)
         for i in range(req.num_registered, full):
-            self.hot.register(req.block_ids[i], hashes[i])
+            # the parent is the block a prefix lookup finds for the previous hash (another request's copy
+            # when this one computed the same content too)
+            parent = self.hot.lookup(hashes[i - 1]) if i else None
+            self.hot.register(req.block_ids[i], hashes[i], i + 1, parent)
         req.num_registered = full
 
     # ---- growth and release

@@ -19,6 +19,7 @@ optional.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
 from litellm_pipeline.engine.request import Request
@@ -37,6 +38,9 @@ class Stage:
         # params against that signature before anything is loaded
         self.rt = rt
 
+    # abstract (without ABCMeta, so Stage itself stays instantiable): the registry refuses a subclass that
+    # does not override it, at registration rather than at the first step
+    @abstractmethod
     def __call__(self, ctx) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 

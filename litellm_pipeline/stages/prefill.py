@@ -28,7 +28,9 @@ class PrefillBatch:
 
 @register("stage", "prefill")
 class Prefill(Stage):
-    """Chunks (entries computing more than one token) come first in the step's row order; their KV slots
+    """Lay out the step's prompt chunks: positions, paged-KV slots and per-sequence attention spans.
+
+    Chunks (entries computing more than one token) come first in the step's row order; their KV slots
     come from the step's :class:`~litellm_pipeline.engine.kv_cache_manager.KVLayout`."""
 
     inputs = ("schedule", "kv_layout")

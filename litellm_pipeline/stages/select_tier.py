@@ -22,7 +22,9 @@ from litellm_pipeline.tiers.selector import MODES, Load, Mode, TierSetSelector, 
 
 @register("stage", "select_tier")
 class SelectTier(Stage):
-    """``mode``: fixed | balanced | deep | max; ``tier``: the configured tier of ``fixed`` mode (and of
+    """Pick the TierSet a request may spend in MoE layers, from its tier, budget and the engine's load.
+
+    ``mode``: fixed | balanced | deep | max; ``tier``: the configured tier of ``fixed`` mode (and of
     ``balanced`` / ``deep`` on a dense model)."""
 
     level = "request"
