@@ -272,6 +272,7 @@ class AppConfig(_Section):
     report: dict[str, Any] | None = None
     budget_load: dict[str, Any] | None = None
     loadtest: dict[str, Any] | None = None
+    plugin: dict[str, Any] | None = None  # +recipe=new_plugin (litellm_pipeline.scaffold)
 
     def sampling_params(self) -> SamplingParams:
         try:

@@ -209,3 +209,19 @@ def plugins(cfg: DictConfig) -> dict:
 
     section = validate_config(to_plain(cfg)).plugins
     return run_listing(section.allow, section.deny)
+
+
+@task("new_plugin")
+def new_plugin(cfg: DictConfig) -> object:
+    """Write a ready plugin package for one registry kind (see litellm_pipeline.scaffold). Loads no model."""
+    from omegaconf import OmegaConf
+
+    from litellm_pipeline.scaffold import run_new_plugin
+
+    section = cfg.get("plugin")
+    if section is not None:
+        missing = [k for k in ("name", "kind") if OmegaConf.is_missing(section, k)]
+        if missing:
+            raise ConfigError("; ".join(f"plugin.{k}: required (plugin.{k}=...)" for k in missing))
+        section = OmegaConf.to_container(section, resolve=True)
+    return run_new_plugin(section)
