@@ -29,3 +29,14 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, restored after."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -36,12 +36,8 @@ BUILTINS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: these runs are many and small, and 2 threads only add contention on a 2-core machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_every_builtin_is_listed():

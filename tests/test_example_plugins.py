@@ -10,7 +10,6 @@ import textwrap
 from importlib import metadata
 
 import pytest
-import torch
 
 from litellm_pipeline import SamplingParams, registry
 from litellm_pipeline.errors import ConfigError
@@ -35,12 +34,8 @@ def needs(*folders: str) -> None:
             pytest.skip(f"example plugin {PLUGINS[folder]} is not installed: pip install -e plugins/{folder}")
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# one thread: these runs are many and small, and 2 threads only add contention on a 2-core machine
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_every_plugin_folder_is_covered_and_installed_by_ci():
