@@ -258,7 +258,12 @@ def _worker(rank: int, s: TrainSettings, out_dir: Path | None, rendezvous: str, 
         torch.set_num_threads(threads)
     dist = _data_parallel(rank, s.workers, rendezvous)
     try:
-        return _train_loop(rank, s, out_dir, dist, parent)
+        result = _train_loop(rank, s, out_dir, dist, parent)
+        if dist is not None:
+            # tear gloo down together: a rank that closes its group while a peer is still working (rank 0
+            # evaluates and saves after the last step) can abort in gloo's threads (SIGABRT at exit)
+            dist.barrier()
+        return result
     finally:
         if dist is not None:
             dist.destroy_process_group()
