@@ -135,6 +135,15 @@ def check_graph(stages: list[tuple[str, type]]) -> None:
                 f"(available at that point: {sorted(produced)})"
             )
         produced |= set(cls.outputs)
+    for i, (name, cls) in enumerate(stages):  # an optional input produced only downstream would go unseen
+        for field in getattr(cls, "optional_inputs", ()):
+            later = [n for n, c in stages[i + 1:] if field in c.outputs]
+            earlier = [n for n, c in stages[:i] if field in c.outputs]
+            if later and not earlier:
+                raise ConfigError(
+                    f"pipeline stage {later[0]!r} produces {field!r}, which stage {name!r} reads before it: "
+                    f"place {later[0]!r} before {name!r}"
+                )
     if STEP_RESULT not in produced:
         raise ConfigError(
             f"pipeline: no stage produces {STEP_RESULT!r} (the sample stage), so the engine would have no tokens "

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from litellm_pipeline.tiers.solvers import Problem, Solution
 
 __all__ = [
-    "PipelineStage", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
+    "PipelineStage", "TextFilter", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
     "DescribedKVPolicy", "BudgetSolver", "Scheduler", "TelemetrySink", "Interface", "INTERFACES", "REFERENCE_TOLERANCE",
 ]
 
@@ -60,6 +60,9 @@ class PipelineStage(Protocol):
     The builder reads the three class attributes to check the graph before anything runs: every name in
     ``inputs`` must be produced upstream (the engine seeds ``request`` for request-level stages and ``schedule``,
     ``kv_layout`` for step-level ones), request-level stages come first, and some stage must produce ``samples``.
+    A stage may also declare ``optional_inputs``: fields it uses when an upstream stage produced them (``emit``
+    reads ``text_filters``, see :class:`TextFilter`); producing one only after every stage that reads it is a
+    graph error, since nothing would see it.
     """
 
     level: ClassVar[str]
@@ -84,6 +87,29 @@ class PipelineStage(Protocol):
           ``num_computed``, append tokens, finish or free a request (the engine's postprocess does), and keep
           tensors on ``rt.device``. If it raises, the engine restores each request's generator and text and
           retries the step's requests one by one, so a stage must not change request state it cannot undo.
+        """
+
+
+@runtime_checkable
+class TextFilter(Protocol):
+    """What a step stage between ``sample`` and ``emit`` appends to ``ctx.text_filters`` (a tuple; keep the
+    entries already there) to rewrite the text the emit stage shows: redaction, stop phrases, normalisation.
+
+    ``emit`` calls every filter in order for each sampled token, after it extended the request's text with the
+    token and applied the request's own stop strings, and before it decides what the stream shows now. The engine
+    still appends the token, finishes and frees (a stop ends the request with ``finish_reason="stop"``).
+    """
+
+    hold: int
+    """How many characters at the end of the text may still change with the next token (e.g. the longest phrase
+    minus one): emit holds that much back from the stream until the request finishes."""
+
+    def filter_text(self, request: Request, text: str, start: int) -> tuple[str, bool]:
+        """``(new text, stop)`` for ``request`` whose text is now ``text``.
+
+        ``text[:start]`` was shown already and must come back unchanged; rewrite only what follows (it includes
+        what was held back in earlier steps, so a phrase split across tokens is seen whole). ``stop=True`` ends the
+        request here, with the returned text as its final text. Cheap and side-effect free: it runs per token.
         """
 
 
@@ -229,11 +255,11 @@ class Router(Protocol):
 
         Returns None (every token uses the checkpoint's own routing), one
         :class:`~litellm_pipeline.model.batch.RoutePlan` for all layers, or a tuple with one entry per decoder
-        layer. A plan's ``top_k`` is ``[T]`` long and ``allowed`` ``[T, E]`` bool, on the model's device, with
-        ``T = sum(num_new_tokens)``; ``max_k`` is a plain int (``max(top_k)``).
+        layer. A plan's ``top_k`` is ``[T]`` long (or None: ``max_k`` for every token) and ``allowed`` ``[T, E]``
+        bool, on the model's device, with ``T = sum(num_new_tokens)``; ``max_k`` is a plain int (``max(top_k)``).
 
         Must hold: a token never gets an expert outside its request's ``tierset.allowed_experts`` nor more
-        experts than its TierSet's count for that layer; the same schedule always gives the same plan, and a
+        experts than its TierSet's count for that layer, and always at least one; the same schedule always gives the same plan, and a
         token's limits depend only on its own request (routing stays deterministic whatever the batch).
         """
 

@@ -32,7 +32,7 @@ class KindSpec:
     reference: str  # registry name of the built-in it starts from
     ref_import: str  # "module:Attr" of that built-in
     select: str  # the override that selects NAME
-    check: str  # the kit's check function ("" for router: a generation through LLM instead)
+    check: str  # the kit's check function
     method_bodies: tuple[tuple[str, str], ...] = ()  # method -> body replacing the delegation to the reference
 
 
@@ -58,7 +58,7 @@ KINDS: dict[str, KindSpec] = {
     "moe_dispatch": KindSpec("packed", "litellm_pipeline.model.moe:packed_dispatch",
                              "pipeline.stages.decode.params.moe_dispatch=$name", "check_moe_dispatch"),
     "router": KindSpec("tierset", "litellm_pipeline.routing:TierSetRouter",
-                       "pipeline.stages.route.params.router=$name", ""),
+                       "pipeline.stages.route.params.router=$name", "check_router"),
 }
 
 
@@ -219,26 +219,6 @@ def test_conformance():
     $check("$name")
 ''')
 
-TEST_ROUTER = Template('''
-
-def test_generates_like_the_reference_router():
-    """The kit has no router check: run the demo model through LLM with this router, per tier, against tierset."""
-    from litellm_pipeline.llm import LLM
-    from litellm_pipeline.sampling import SamplingParams
-
-    base = ["device.threads=1", "device.type=cpu", "device.dtype=float32"]
-    ours = LLM(overrides=[*base, "pipeline.stages.route.params.router=$name"])
-    ref = LLM(overrides=base)
-    prompts = ["copy:secret7=", "12+345=", "rev:abcdef="]
-    params = SamplingParams(max_tokens=8)
-    for tier in (None, "fast", "balanced"):
-        fields = {} if tier is None else {"tier": tier}
-        got = ours.generate(prompts, params, **fields)
-        want = ref.generate(prompts, params, **fields)
-        assert [o.finish_reason for o in got] != ["error"] * len(got)
-        assert [o.token_ids for o in got] == [o.token_ids for o in want], f"tier {tier}"
-''')
-
 README = Template('''\
 # litellm_pipeline_$name
 
@@ -280,10 +260,8 @@ def render(name: str, kind: str) -> dict[str, str]:
     select = Template(spec.select).substitute(name=name)
     sub = dict(name=name, kind=kind, attr=attr, select=select, check=spec.check, reference=spec.reference,
                ref_import=spec.ref_import, qualname=iface.qualname, built_as=iface.built_as)
-    test = TEST_HEAD.substitute(sub) + (TEST_CHECK.substitute(sub) if spec.check else TEST_ROUTER.substitute(sub))
-    test_text = (f"runs the conformance kit's `{spec.check}(\"{name}\")`." if spec.check else
-                 "the kit has no router check, so it generates with the demo model through `LLM` per tier and "
-                 "compares with the `tierset` router (change the comparison once your router differs).")
+    test = TEST_HEAD.substitute(sub) + TEST_CHECK.substitute(sub)
+    test_text = f"runs the conformance kit's `{spec.check}(\"{name}\")`."
     return {
         "pyproject.toml": PYPROJECT.substitute(sub),
         "README.md": README.substitute(sub, test_text=test_text),

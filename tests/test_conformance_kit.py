@@ -10,15 +10,17 @@ import torch.nn.functional as F
 from litellm_pipeline import registry
 from litellm_pipeline.engine.kv_policy import LRUPolicy
 from litellm_pipeline.engine.scheduler import FcfsScheduler
+from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.attention import sdpa_paged_attention
 from litellm_pipeline.model.layer_ops import TorchLayerOps
 from litellm_pipeline.model.moe import packed_dispatch
+from litellm_pipeline.routing import TierSetRouter
 from litellm_pipeline.sampling.samplers import Sampler, SamplerOutput
 from litellm_pipeline.stages.base import Stage
 from litellm_pipeline.telemetry import MemorySink
 from litellm_pipeline.testing import (
-    check_attention, check_budget_solver, check_kv_policy, check_layer_ops, check_moe_dispatch, check_sampler,
-    check_scheduler, check_stage, check_telemetry_sink,
+    check_attention, check_budget_solver, check_kv_policy, check_layer_ops, check_moe_dispatch, check_router,
+    check_sampler, check_scheduler, check_stage, check_telemetry_sink,
 )
 from litellm_pipeline.tiers.solvers import GreedySolver, Solution
 
@@ -29,6 +31,7 @@ BUILTINS = {
     "moe_dispatch": ["fused", "packed"],
     "kv_policy": ["lfu", "lru"],
     "budget_solver": ["exact", "greedy"],
+    "router": ["tierset"],
     "sampler": ["default", "greedy"],
     "scheduler": ["fair", "fcfs", "priority"],
     "telemetry": ["memory", "none", "prometheus"],
@@ -42,8 +45,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_every_builtin_is_listed():
     for kind in registry.KINDS:
-        if kind == "router":
-            continue  # no kit check for routers yet
         found = []
         for n in registry.names(kind):
             try:
@@ -83,6 +84,12 @@ def test_builtin_kv_policy(name):
 @pytest.mark.parametrize("name", BUILTINS["budget_solver"])
 def test_builtin_budget_solver(name):
     assert check_budget_solver(name, optimal=name == "exact") > 150
+
+
+@pytest.mark.parametrize("name", BUILTINS["router"])
+def test_builtin_router(name):
+    seen = check_router(name)
+    assert seen["scripted"] == 40 and seen["engine"] > 5
 
 
 @pytest.mark.parametrize("name", BUILTINS["sampler"])
@@ -288,6 +295,40 @@ def test_broken_budget_solvers_fail():
         check_budget_solver(GivesUpEarly, engine=False)
     with pytest.raises(AssertionError, match=r"greedy on greedy trap.*below the optimum 2\.8"):
         check_budget_solver("greedy", optimal=True, engine=False)  # greedy is not optimal, and says exact=True
+
+
+class IgnoresAllowedExperts(TierSetRouter):
+    """Keeps the expert counts but drops the restriction to a TierSet's experts."""
+
+    def _allowed(self, schedule):
+        return None
+
+
+class NativeEverywhere(TierSetRouter):
+    """The checkpoint's own top-k for every token, whatever the tier asks."""
+
+    def plan(self, schedule):
+        t = sum(n for _, n in schedule)
+        return RoutePlan(top_k=torch.full((t,), self.native_k), max_k=self.native_k)
+
+
+class BatchMinimum(TierSetRouter):
+    """Every token gets the smallest count in the batch: within every limit, but it depends on the neighbours."""
+
+    def plan(self, schedule):
+        k = min(min(r.tierset.experts_per_layer) for r, _ in schedule)
+        return RoutePlan(max_k=k, allowed=self._allowed(schedule))
+
+
+def test_broken_routers_fail():
+    with pytest.raises(AssertionError, match=r"IgnoresAllowedExperts, schedule .*tier 'narrow.*experts \[.*\] are "
+                                             r"allowed, outside its TierSet's allowed_experts"):
+        check_router(IgnoresAllowedExperts, engine=False)
+    with pytest.raises(AssertionError, match=r"NativeEverywhere, schedule .*tier '(fast|k1|layered|narrow_layered)'.* "
+                                             r"a token gets 2 experts, its TierSet allows 1"):
+        check_router(NativeEverywhere, engine=False)
+    with pytest.raises(AssertionError, match=r"BatchMinimum, schedule .* other limits in this batch than alone"):
+        check_router(BatchMinimum, engine=False)
 
 
 class GlobalRngSampler(Sampler):

@@ -23,7 +23,7 @@ PLUGINS = {  # plugins/ folder -> distribution name
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 FILTER = "+pipeline.stages.filter={impl: phrase_filter, params: {redact: [secret], stop: ['!']}}"
-ORDER_WITH_FILTER = "pipeline.order=[admit,select_tier,route,prefill,decode,sample,emit,filter]"
+ORDER_WITH_FILTER = "pipeline.order=[admit,select_tier,route,prefill,decode,sample,filter,emit]"
 
 
 def needs(*folders: str) -> None:
@@ -83,7 +83,7 @@ def test_lagrangian_solver_pipeline():
 def test_phrase_filter_pipeline():
     needs("phrase_filter")
     llm = build_llm([FILTER, ORDER_WITH_FILTER])
-    assert type(llm.engine.step_stages[-1]).__name__ == "PhraseFilter"
+    assert type(llm.engine.step_stages[-2]).__name__ == "PhraseFilter"  # between sample and emit
     assert llm.generate("copy:secret7=", GREEDY)[0].text == "******7"
     assert_drained(llm, "phrase_filter")
 

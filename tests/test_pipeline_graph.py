@@ -91,3 +91,57 @@ def test_mixed_tiers_in_one_batch_match_each_alone(hf_checkpoint):
                 done[o.request_id] = o.token_ids
     assert [done[r.request_id] for r in reqs] == alone
     assert len({tuple(a) for a in alone}) > 1  # the tiers really differ
+
+
+class Upper(Stage):
+    """Between sample and emit: a text filter that upper-cases what is not shown yet; ``cut`` misbehaves by cutting
+    into text already shown."""
+
+    inputs = ("samples",)
+    outputs = ("text_filters",)
+
+    def __init__(self, rt, cut: bool = False):
+        super().__init__(rt)
+        self.cut, self.hold = cut, 0
+
+    def __call__(self, ctx) -> None:
+        ctx.text_filters = (*getattr(ctx, "text_filters", ()), self)
+
+    def filter_text(self, request, text, start):
+        if self.cut and start > 0:
+            return text[: start - 1], False
+        return text[:start] + text[start:].upper(), False
+
+
+register("stage", "test_upper")(Upper)
+
+
+def _demo(*overrides):
+    return LLM(overrides=["device.threads=1", "device.dtype=float32", *overrides])
+
+
+def test_a_text_filter_stage_rewrites_what_emit_shows():
+    prompt, params = "rev:abcdef=", SamplingParams(max_tokens=12, temperature=0.0)
+    plain = _demo().generate(prompt, params)[0]
+    llm = _demo("+pipeline.stages.up={impl: test_upper}", ORDER.format(x="up"))
+    deltas = [d.text for d in llm.stream(prompt, params)]
+    out = llm.generate(prompt, params)[0]
+    assert plain.text == "fedcba" and out.text == "".join(deltas) == "FEDCBA"
+    assert out.token_ids == plain.token_ids
+
+
+def test_a_text_filter_after_its_reader_is_a_graph_error():
+    import pytest
+
+    from litellm_pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stage 'up' produces 'text_filters', which stage 'emit' reads before it"):
+        _demo("+pipeline.stages.up={impl: test_upper}", "pipeline.order=[admit,select_tier,route,prefill,decode,"
+              "sample,emit,up]")
+
+
+def test_a_filter_that_rewrites_shown_text_fails_only_its_request():
+    llm = _demo("+pipeline.stages.up={impl: test_upper, params: {cut: true}}", ORDER.format(x="up"))
+    out = llm.generate("rev:abcdef=", SamplingParams(max_tokens=12, temperature=0.0))[0]
+    assert out.finish_reason == "error" and "were shown already" in out.error
+    assert not llm.engine.requests and llm.engine.rt.pool.num_free == llm.engine.rt.pool.num_blocks

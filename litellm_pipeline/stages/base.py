@@ -32,6 +32,8 @@ class Stage:
     level: ClassVar[str] = "step"
     inputs: ClassVar[tuple[str, ...]] = ()
     outputs: ClassVar[tuple[str, ...]] = ()
+    # fields used when an upstream stage produced them (the graph check refuses one produced only downstream)
+    optional_inputs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, rt):
         # subclasses with parameters declare them as keyword arguments: the builder checks a config's

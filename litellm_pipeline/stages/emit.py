@@ -4,6 +4,10 @@ For every sampled token the stage extends the request's text, decides whether th
 (stop token, end of sequence, stop string, length) and produces an :class:`Emission`. It only proposes:
 appending the token, finishing and freeing are the engine's postprocess, which also enforces the token
 limits whatever an emit stage says.
+
+Stages between sample and emit may put :class:`~litellm_pipeline.interfaces.TextFilter` objects in
+``ctx.text_filters``: emit runs them on each request's text after its own stop strings and holds back the
+characters they may still change.
 """
 
 from __future__ import annotations
@@ -16,10 +20,13 @@ from litellm_pipeline.stages.base import Stage, StepContext
 @register("stage", "emit")
 class Emit(Stage):
     inputs = ("samples",)
+    optional_inputs = ("text_filters",)
     outputs = ("emissions",)
 
     def __call__(self, ctx: StepContext) -> None:
         rt = self.rt
+        filters = getattr(ctx, "text_filters", ())
+        filter_hold = max((f.hold for f in filters), default=0)
         out = []
         for req, token, _ in ctx.samples:
             prev_len = len(req.text)
@@ -29,8 +36,23 @@ class Emit(Stage):
                 reason = "stop"
             if reason is not None and (reason == "length" or not req.params.stop):
                 req.text += req.detokenizer.flush()  # a character cut off by the end is still shown
-            out.append(Emission(req, self._delta(req, reason is not None), reason))
+            for f in filters:
+                if self._filter(f, req):
+                    reason = "stop"
+            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason))
         ctx.emissions = out
+
+    @staticmethod
+    def _filter(f, req: Request) -> bool:
+        start = req.emitted_chars
+        text, stop = f.filter_text(req, req.text, start)
+        if len(text) < start:
+            raise ValueError(
+                f"text filter {type(f).__name__} cut request {req.request_id!r}'s text to {len(text)} characters, "
+                f"but {start} were shown already"
+            )
+        req.text = text
+        return bool(stop)
 
     @staticmethod
     def _stop_string(req: Request, prev_len: int) -> bool:
@@ -45,9 +67,12 @@ class Emit(Stage):
         return False
 
     @staticmethod
-    def _delta(req: Request, finishing: bool) -> str:
-        # hold back text that could still become the start of a stop string
-        hold = 0 if finishing or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+    def _delta(req: Request, finishing: bool, filter_hold: int = 0) -> str:
+        # hold back text that could still become the start of a stop string, or change under a text filter
+        if finishing:
+            hold = 0
+        else:
+            hold = max(filter_hold, max(len(s) for s in req.params.stop) - 1 if req.params.stop else 0)
         upto = max(req.emitted_chars, len(req.text) - hold)
         delta = req.text[req.emitted_chars : upto]
         req.emitted_chars = upto

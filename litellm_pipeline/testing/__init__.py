@@ -19,6 +19,7 @@ def test_my_policy_conforms():
 | moe_dispatch | :func:`check_moe_dispatch` | the weighted sum of each token's chosen experts; the demo model's greedy tokens |
 | kv_policy | :func:`check_kv_policy` | scripted and random hit/evict sequences through a real ``BlockPool``; the demo model on a 12-block pool |
 | budget_solver | :func:`check_budget_solver` | brute force on constructed and random multiple-choice problems; planning in the engine |
+| router | :func:`check_router` | random mixed-tier steps: each token within its TierSet's counts and experts, deterministic, independent of the batch; the demo engine |
 | sampler | :func:`check_sampler` | greedy ties, top-k/top-p/min-p, seeded determinism, draw frequencies, logprobs |
 | stage | :func:`check_stage` | the demo model's pipeline with the stage in it: mixed batches, streaming, aborts, preemption |
 | scheduler | :func:`check_scheduler` | tiny pools with recompute and swap preemption, late arrivals, aborts; every plan checked |
@@ -30,6 +31,7 @@ from litellm_pipeline.testing.budget_solver import check_budget_solver
 from litellm_pipeline.testing.kv_policy import check_kv_policy
 from litellm_pipeline.testing.layer_ops import check_layer_ops
 from litellm_pipeline.testing.moe_dispatch import check_moe_dispatch
+from litellm_pipeline.testing.router import check_router
 from litellm_pipeline.testing.sampler import check_sampler
 from litellm_pipeline.testing.scheduler import check_scheduler
 from litellm_pipeline.testing.stage import check_stage
@@ -41,6 +43,7 @@ __all__ = [
     "check_kv_policy",
     "check_layer_ops",
     "check_moe_dispatch",
+    "check_router",
     "check_sampler",
     "check_scheduler",
     "check_stage",

@@ -1,24 +1,23 @@
-"""phrase_filter: a step stage after ``emit`` that masks configured words and ends requests at stop phrases.
+"""phrase_filter: a step stage between ``sample`` and ``emit`` that masks configured words and ends requests at
+stop phrases.
 
-Place it after ``emit``, the stage that turns sampled tokens into text and proposes finishes::
+Place it after ``sample`` and before ``emit``, the stage that turns sampled tokens into text and proposes finishes::
 
     +pipeline.stages.filter={impl: phrase_filter, params: {redact: [secret], stop: ["END"]}}
-    'pipeline.order=[admit,select_tier,route,prefill,decode,sample,emit,filter]'
+    'pipeline.order=[admit,select_tier,route,prefill,decode,sample,filter,emit]'
 
-Why after emit and not between sample and emit: before emit a stage sees token ids only, and emit writes
-``ctx.emissions`` afresh, so an earlier stage could neither read the text nor ask for a finish. After it, this stage
-rewrites what emit proposed and nothing else: the text not shown yet, the delta shown now and the finish asked for.
-Appending tokens, finishing and freeing stay the engine's postprocess, so a stop phrase ends a request exactly as a
-stop string does (``finish_reason="stop"``, blocks freed) and the token limits hold whatever this stage says.
+Before emit there is no text yet, only token ids, so the stage hands emit a text filter
+(:class:`litellm_pipeline.interfaces.TextFilter`) through ``ctx.text_filters``: emit extends each request's text
+with its new token, applies the request's own stop strings, then this filter, and holds back the characters the
+filter may still change. Appending tokens, finishing and freeing stay the engine's postprocess, so a stop phrase
+ends a request exactly as a stop string does (``finish_reason="stop"``, blocks freed) and the token limits hold
+whatever this stage says. Placed after emit, the builder refuses the graph (emit would never see the filter).
 
-* **redact**: every occurrence is replaced by ``mask`` characters, one per character, so the text keeps its length
-  and emit's bookkeeping (``emitted_chars``) stays valid. A word split across tokens is caught because the last
-  ``len(longest) - 1`` characters are held back until the next token shows whether they start a word.
+* **redact**: every occurrence is replaced by ``mask`` characters, one per character, so the text keeps its length.
+  A word split across tokens is caught because the last ``len(longest) - 1`` characters are held back until the
+  next token shows whether they start a word.
 * **stop**: the text is cut where the first stop phrase begins and the request finishes with "stop" (the phrase
   itself is not shown, as with stop strings).
-
-Put it last in the order: if a later stage raised in the same step, the engine would put back the text's length
-but not the characters masked in the held-back tail.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from litellm_pipeline.engine.request import Emission
 from litellm_pipeline.stages.base import Stage, StepContext
 
 
@@ -46,8 +44,8 @@ def _pattern(words: tuple[str, ...], flags: int) -> re.Pattern | None:
 
 class PhraseFilter(Stage):
     level = "step"
-    inputs = ("emissions",)
-    outputs = ("emissions",)
+    inputs = ("samples",)
+    outputs = ("text_filters",)
 
     def __init__(self, rt, redact: Sequence[str] = (), stop: Sequence[str] = (), mask: str = "*",
                  ignore_case: bool = False):
@@ -60,28 +58,22 @@ class PhraseFilter(Stage):
         flags = re.IGNORECASE if ignore_case else 0
         self._redact, self._stop, self._mask = _pattern(redact, flags), _pattern(stop, flags), mask
         # a phrase is found only once whole: this much text may still be the start of one
-        self._hold = max((len(p) for p in (*redact, *stop)), default=1) - 1
+        self.hold = max((len(p) for p in (*redact, *stop)), default=1) - 1
 
     def __call__(self, ctx: StepContext) -> None:
-        if self._redact is None and self._stop is None:
-            return
-        ctx.emissions = [self._filter(e) for e in ctx.emissions]
+        filters = getattr(ctx, "text_filters", ())
+        if ctx.samples and (self._redact is not None or self._stop is not None):
+            filters = (*filters, self)
+        ctx.text_filters = filters
 
-    def _filter(self, e: Emission) -> Emission:
-        req = e.request
-        start = req.emitted_chars - len(e.delta_text)  # everything before was shown in earlier steps
-        text, reason = req.text, e.finish_reason
+    def filter_text(self, request, text: str, start: int) -> tuple[str, bool]:
+        """Cut ``text`` at the first stop phrase after ``start`` and mask the redacted words after ``start``."""
+        stop = False
         if self._stop is not None:
             m = self._stop.search(text, start)
             if m is not None:
-                text, reason = text[: m.start()], "stop"
+                text, stop = text[: m.start()], True
         if self._redact is not None:
             mask = self._mask
             text = text[:start] + self._redact.sub(lambda m: mask * len(m.group()), text[start:])
-        req.text = text
-        if reason is None:  # hold back what may still become a phrase, and whatever emit held back
-            upto = min(req.emitted_chars, max(start, len(text) - self._hold))
-        else:
-            upto = len(text)
-        req.emitted_chars = upto
-        return e._replace(delta_text=text[start:upto], finish_reason=reason)
+        return text, stop

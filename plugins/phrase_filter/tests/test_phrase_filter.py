@@ -13,7 +13,7 @@ from litellm_pipeline.errors import ConfigError  # noqa: E402
 from litellm_pipeline.testing import check_stage  # noqa: E402
 from litellm_pipeline.testing._support import assert_drained, build_llm  # noqa: E402
 
-ORDER = "pipeline.order=[admit,select_tier,route,prefill,decode,sample,emit,filter]"
+ORDER = "pipeline.order=[admit,select_tier,route,prefill,decode,sample,filter,emit]"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
@@ -39,7 +39,7 @@ def test_registered_through_its_entry_point():
 
 def test_passes_the_conformance_kit():
     got = check_stage(plugin.PhraseFilter, {"redact": ["secret", "ell"], "stop": ["7"]})
-    assert got["order"][-2:] == ["emit", "checked"]  # placed where its input (emissions) exists: after emit
+    assert got["order"][-3:] == ["sample", "checked", "emit"]  # placed where its input (samples) exists
 
 
 def test_masks_a_word_spread_over_several_tokens(plain):
@@ -88,6 +88,17 @@ def test_bad_params_are_config_errors(bad, key):
     assert key in str(exc.value)
 
 
-def test_before_emit_is_a_graph_error():
-    with pytest.raises(ConfigError, match="emissions"):
-        filtered("{stop: [a]}", "pipeline.order=[admit,select_tier,route,prefill,decode,sample,filter,emit]")
+def test_after_emit_is_a_graph_error():
+    with pytest.raises(ConfigError, match=r"stage 'filter' produces 'text_filters', which stage 'emit' reads before"):
+        filtered("{stop: [a]}", "pipeline.order=[admit,select_tier,route,prefill,decode,sample,emit,filter]")
+
+
+def test_composes_with_a_second_filter_and_the_requests_stop_strings():
+    llm = build_llm(["+pipeline.stages.f1={impl: phrase_filter, params: {redact: [ll]}}",
+                     "+pipeline.stages.f2={impl: phrase_filter, params: {redact: [h], mask: '#'}}",
+                     "pipeline.order=[admit,select_tier,route,prefill,decode,sample,f1,f2,emit]"])
+    deltas, out = streamed(llm, "copy:hello=")
+    assert out.text == "".join(deltas) == "#e**o"
+    # the request's stop string sees the text before the filters: "l" stops it at "he"
+    out = llm.generate("copy:hello=", SamplingParams(temperature=0.0, max_tokens=20, stop=["l"]))[0]
+    assert out.text == "#e" and out.finish_reason == "stop"
