@@ -24,6 +24,7 @@ from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.interface_check import instance_error
 from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.expert_offload import ExpertOffload
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.telemetry import build_bus
 from litellm_pipeline.tenants import TenantLedger, TenantPolicy
@@ -191,6 +192,18 @@ def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
     return build_from_app(app)
 
 
+def _expert_device(moe, mc: ModelConfig, device: torch.device) -> torch.device | None:
+    """Where the expert weights are loaded: host memory under expert offload, so they never fill the device."""
+    if moe.hot_experts is None:
+        return None
+    if not mc.is_moe:
+        raise ConfigError("moe.hot_experts: the model is dense (no MoE layers to offload)")
+    if moe.hot_experts > mc.num_experts:
+        raise ConfigError(f"moe.hot_experts: must be in 1..{mc.num_experts}, the model's experts per layer "
+                          f"(got {moe.hot_experts})")
+    return torch.device("cpu")
+
+
 def build_from_app(app: AppConfig) -> Engine:
     # before the first lookup: which plugins may load is part of this config
     registry.set_plugin_filter(app.plugins.allow, app.plugins.deny)
@@ -218,8 +231,14 @@ def build_from_app(app: AppConfig) -> Engine:
         cfg=mc,
         attn_fn=registry.get("attention", "sdpa"),
         dispatch_fn=registry.get("moe_dispatch", "packed"),
+        expert_device=_expert_device(app.moe, mc, device),
     )
     model.rotary.reserve(max_len)
+    if app.moe.hot_experts is not None:
+        try:
+            ExpertOffload(model, app.moe.hot_experts, prefetch=app.moe.prefetch)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
     bs = app.cache.block_size
     num_blocks = app.cache.num_blocks
     if num_blocks is None:

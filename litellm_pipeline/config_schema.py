@@ -146,6 +146,13 @@ class CacheSection(_Section):
     max_sessions: int = Field(default=64, ge=0)
 
 
+class MoESection(_Section):
+    # expert offload: experts per MoE layer kept in device memory (null: all); the rest stay in host memory
+    hot_experts: int | None = Field(default=None, ge=1)
+    # predict the next layer's experts from router scores and copy them while the current layer runs
+    prefetch: bool = True
+
+
 class TelemetrySection(_Section):
     sinks: list[str] = ["none"]  # registry kind "telemetry"
     params: dict[str, dict[str, Any]] = {}  # per sink name: its constructor parameters
@@ -257,6 +264,7 @@ class AppConfig(_Section):
     engine: EngineSection = EngineSection()
     budget: BudgetSection = BudgetSection()
     cache: CacheSection = CacheSection()
+    moe: MoESection = MoESection()
     telemetry: TelemetrySection = TelemetrySection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()

@@ -36,16 +36,18 @@ def _plugin_label(plugin: str) -> str:
     return f"{plugin} ({origin})" if origin is not None and origin.dist else plugin
 
 
+def _row(kind: str, name: str) -> dict:
+    try:
+        doc = one_line_doc(registry.get(kind, name))
+    except registry.RegistryError as exc:  # a built-in whose optional package is missing (triton)
+        doc = f"(unavailable: {exc})"
+    return {"name": name, "origin": str(registry.origin(kind, name)), "doc": doc}
+
+
 def collect() -> dict:
     """The listing as plain data: ``kinds`` (kind -> rows), ``config_options``, ``broken``, ``skipped``."""
     registry.load_all()
-    kinds = {
-        kind: [
-            {"name": name, "origin": str(registry.origin(kind, name)), "doc": one_line_doc(registry.get(kind, name))}
-            for name in registry.names(kind)
-        ]
-        for kind in registry.KINDS
-    }
+    kinds = {kind: [_row(kind, name) for name in registry.names(kind)] for kind in registry.KINDS}
     broken = {_plugin_label(p): err for p, err in sorted(registry.broken_plugins().items())}
     skipped = {_plugin_label(p): why for p, why in sorted(registry.skipped_plugins().items())}
     roots, conf_skipped = conf_roots()

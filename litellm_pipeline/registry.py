@@ -113,6 +113,14 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.stages",
 )
 
+# built-in entries whose module is imported only when a config names them (they need an optional package:
+# importing triton costs seconds and is absent from CPU-only installs); kind -> name -> module that registers it
+_LAZY_BUILTINS: dict[str, dict[str, str]] = {
+    "attention": {"triton_paged": "litellm_pipeline.model.triton_attention"},
+    "layer_ops": {"triton": "litellm_pipeline.model.triton_ops"},
+    "moe_dispatch": {"triton_fused": "litellm_pipeline.model.triton_moe"},
+}
+
 
 def check_shape(kind: str, name: str, obj: Any) -> None:
     """Raise :class:`RegistryError` unless ``obj`` satisfies the interface of ``kind`` (see interface_check)."""
@@ -317,7 +325,7 @@ def origin(kind: str, name: str) -> Origin:
     """Where ``kind/name`` comes from (``str(origin)``: ``built-in``, ``dist version`` or ``module m``)."""
     if name not in names(kind):
         raise _unknown(kind, name)
-    return _origins[kind][name]
+    return _origins[kind].get(name, BUILTIN)  # a lazy built-in not imported yet
 
 
 def load_all() -> None:
@@ -366,7 +374,7 @@ def names(kind: str) -> list[str]:
     _check_kind(kind)
     _load_builtins()
     load_plugins()
-    return sorted(set(_entries[kind]) | set(_lazy[kind]))
+    return sorted(set(_entries[kind]) | set(_lazy[kind]) | set(_LAZY_BUILTINS.get(kind, ())))
 
 
 def _unknown(kind: str, name: str) -> RegistryError:
@@ -399,6 +407,14 @@ def get(kind: str, name: str) -> Any:
                 raise RegistryError(f"{kind} {name!r} comes from plugin {ep.value!r}, which failed to load: {exc}") from exc
             _entries[kind][name] = obj
             return obj
+        module = _LAZY_BUILTINS.get(kind, {}).get(name)
+        if module is not None:
+            try:
+                importlib.import_module(module)  # registers the entry
+            except ImportError as exc:
+                raise RegistryError(f"{kind} {name!r} is built in but cannot load: {exc}") from exc
+            if name in _entries[kind]:
+                return _entries[kind][name]
     if ":" in name:
         mod_name, _, attr = name.partition(":")
         try:

@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Triton reads TRITON_INTERPRET when it is first imported: without a GPU its kernels run in the interpreter on CPU
+# tensors (set before anything imports triton; a GPU machine runs them compiled)
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:

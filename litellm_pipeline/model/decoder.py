@@ -19,7 +19,8 @@ from litellm_pipeline.model.rope import RotaryEmbedding
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, over a flat batch of tokens and a paged KV cache."""
 
-    def __init__(self, cfg: ModelConfig, attn_fn: Callable, dispatch_fn: Callable):
+    def __init__(self, cfg: ModelConfig, attn_fn: Callable, dispatch_fn: Callable,
+                 expert_device: str | torch.device | None = None):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
@@ -46,6 +47,7 @@ class CausalLM(nn.Module):
                     cfg.norm_topk_prob,
                     cfg.shared_expert_intermediate_size,
                     dispatch_fn,
+                    expert_device,
                 )
             else:
                 mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
@@ -87,6 +89,8 @@ class CausalLM(nn.Module):
         moe = [layer.is_moe for layer in self.layers]
         if not any(moe):
             return True
+        if any(layer.mlp.offload is not None for layer in self.layers if layer.is_moe):
+            return False  # offloaded experts live in per-layer device slots
         return all(moe) and dispatch_fn is fused_dispatch and all(layer.mlp.shared_expert is None for layer in self.layers)
 
     def _decode_weight_lists(self) -> dict:

@@ -5,12 +5,14 @@ from the registry and bound when the pipeline is built; until then the torch ref
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 from torch import nn
 
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
+from litellm_pipeline.model.expert_offload import offloaded_experts, predict_experts
 from litellm_pipeline.model.layer_ops import TorchLayerOps
 
 
@@ -100,21 +102,33 @@ class SparseMoE(nn.Module):
         normalize: bool,
         shared_intermediate: int,
         dispatch_fn: Callable,
+        expert_device: str | torch.device | None = None,
     ):
         super().__init__()
         self.gate = _param(num_experts, hidden)
-        self.w13 = _param(num_experts, 2 * intermediate, hidden)
-        self.w2 = _param(num_experts, hidden, intermediate)
+        with torch.device(expert_device) if expert_device is not None else contextlib.nullcontext():
+            self.w13 = _param(num_experts, 2 * intermediate, hidden)
+            self.w2 = _param(num_experts, hidden, intermediate)
         self.top_k, self.normalize = top_k, normalize
         self.shared_expert = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = _param(1, hidden) if shared_intermediate else None
         self.dispatch_fn = dispatch_fn
         self.ops = REFERENCE_OPS
+        # expert offload (moe.hot_experts, see expert_offload.py): this layer's device slots, and the next MoE
+        # block, whose experts are predicted and prefetched while this one runs
+        self.offload = None
+        self.next_moe: SparseMoE | None = None
 
     def forward(self, x: torch.Tensor, plan: RoutePlan | None) -> torch.Tensor:
         ops = self.ops
         idx, w = ops.route(x, self.gate, self.top_k, self.normalize, plan)
-        out = self.dispatch_fn(x, idx, w, self.w13, self.w2, ops)
+        if self.offload is None:
+            out = self.dispatch_fn(x, idx, w, self.w13, self.w2, ops)
+        else:
+            nxt = self.next_moe
+            if nxt is not None:  # start the next layer's copies before this layer's experts run
+                nxt.offload.prefetch(predict_experts(x, nxt.gate, idx.shape[1], ops.linear))
+            out = offloaded_experts(self.offload, x, idx, w, ops)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
         return out

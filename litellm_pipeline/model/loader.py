@@ -134,8 +134,10 @@ def load_model(
     attn_fn: Callable,
     dispatch_fn: Callable,
     cfg: ModelConfig | None = None,
+    expert_device: str | torch.device | None = None,
 ) -> CausalLM:
-    """Build the model for ``path`` and fill it from its safetensors files."""
+    """Build the model for ``path`` and fill it from its safetensors files; MoE expert weights are allocated on
+    ``expert_device`` when given (host memory for expert offload: they never take device memory)."""
     path = Path(path)
     cfg = cfg or load_model_config(path)
     files = safetensors_files(path)
@@ -143,7 +145,7 @@ def load_model(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg, attn_fn, dispatch_fn)
+            model = CausalLM(cfg, attn_fn, dispatch_fn, expert_device=expert_device)
     finally:
         torch.set_default_dtype(prev)
     filler = _Filler(model)

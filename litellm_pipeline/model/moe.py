@@ -9,6 +9,8 @@ a callable ``(x, expert_idx, expert_w, w13, w2, ops) -> out`` where ``expert_idx
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -44,15 +46,22 @@ def packed_dispatch(
     x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ops
 ) -> torch.Tensor:
     """Group the (token, expert) pairs of the whole batch by expert and run each expert once on its pack."""
+    counts = torch.bincount(expert_idx.reshape(-1) + 1, minlength=w13.shape[0] + 1).tolist()  # one host sync per layer
+    return packed_experts(x, expert_idx, expert_w, counts, lambda e: (w13[e], w2[e]), ops)
+
+
+def packed_experts(
+    x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, counts: list[int],
+    weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]], ops,
+) -> torch.Tensor:
+    """``packed``'s arithmetic with each expert's ``(w13_e, w2_e)`` from ``weights(e)``, asked in expert order for
+    the experts some token chose; ``counts[e + 1]`` is how many slots chose expert ``e`` (``counts[0]``: unused)."""
     t, k = expert_idx.shape
-    num_experts = w13.shape[0]
-    flat = expert_idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat + 1, minlength=num_experts + 1).tolist()  # one host sync per layer
+    order = torch.argsort(expert_idx.reshape(-1), stable=True)
     flat_w = expert_w.reshape(-1)
     out = torch.zeros_like(x)
     start = counts[0]  # slots marked -1 sort first and are skipped
-    for e in range(num_experts):
+    for e in range(len(counts) - 1):
         c = counts[e + 1]
         if c == 0:
             continue
@@ -60,7 +69,8 @@ def packed_dispatch(
         start += c
         tok = sel // k
         xe = x[tok]
-        ye = ops.linear(ops.silu_mul(ops.linear(xe, w13[e])), w2[e])
+        w13_e, w2_e = weights(e)
+        ye = ops.linear(ops.silu_mul(ops.linear(xe, w13_e)), w2_e)
         ye = ye * flat_w[sel, None]
         out.index_put_((tok,), ye.to(out.dtype), accumulate=True)  # tok is unique per expert; faster than index_add_ on CPU
     return out
