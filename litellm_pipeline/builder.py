@@ -256,7 +256,8 @@ def build_from_app(app: AppConfig) -> Engine:
     check_fits("cache.num_blocks", num_blocks, block_bytes, device)
     check_fits("cache.warm_blocks", warm_blocks, block_bytes, torch.device("cpu"))
     pool = BlockPool(num_blocks, policy=policy_cls())
-    hot_kv = allocate_kv_cache(mc, num_blocks, bs, dtype, device)
+    # one spare block past the pool's: the scratch slots padding rows of a CUDA-graph decode step write to
+    hot_kv = allocate_kv_cache(mc, num_blocks + 1, bs, dtype, device)
     warm = None
     if warm_blocks > 0:
         warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda")
@@ -302,6 +303,7 @@ def build_from_app(app: AppConfig) -> Engine:
         budget=budget_policy(app),
         deterministic=app.engine.deterministic,
         tenants=TenantLedger(policies) if policies else None,
+        cuda_graphs=app.device.cuda_graphs and device.type == "cuda",
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

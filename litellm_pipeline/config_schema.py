@@ -30,6 +30,8 @@ class DeviceSection(_Section):
     type: Literal["auto", "cpu", "cuda"] = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     threads: int | None = Field(default=None, ge=1, le=1024)
+    # CUDA devices: replay captured graphs for decode-only steps (litellm_pipeline/model/cuda_graphs.py)
+    cuda_graphs: bool = True
 
 
 class StageSection(_Section):

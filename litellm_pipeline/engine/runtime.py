@@ -37,6 +37,7 @@ class Runtime:
     budget: BudgetPolicy = field(default_factory=BudgetPolicy)
     deterministic: bool = False  # engine.deterministic: batch-invariant steps
     tenants: TenantLedger | None = None  # the quotas of conf/tenants (None: no tenant has one)
+    cuda_graphs: bool = False  # device.cuda_graphs on a CUDA device: the decode stage replays captured graphs
 
 
 def allocate_kv_cache(

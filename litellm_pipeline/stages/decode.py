@@ -15,6 +15,7 @@ import torch
 from litellm_pipeline import registry
 from litellm_pipeline.model.attention_cpu import kernel as cpu_paged_kernel, kernel_error
 from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.model.cuda_graphs import CudaGraphBackend, decode_graphs
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import Stage, StepContext
 
@@ -34,6 +35,8 @@ class Decode(Stage):
         else:
             ops = ops_cls()
         rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch), ops)
+        # decode-only steps through captured CUDA graphs (device.cuda_graphs on a GPU; see model/cuda_graphs.py)
+        self.graphs = decode_graphs(rt, CudaGraphBackend(rt.device)) if rt.cuda_graphs else None
 
     def __call__(self, ctx: StepContext) -> None:
         rt, pb, kv = self.rt, ctx.prefill_batch, ctx.kv_layout
@@ -65,7 +68,9 @@ class Decode(Stage):
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         rope_seq_lens = torch.tensor(rope_lens, device=dev) if rt.model.dynamic_rope else None
-        hidden = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens)
+        hidden = self.graphs.run(input_ids, meta, ctx.route_plan) if self.graphs is not None else None
+        if hidden is None:
+            hidden = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens)
         rows, reqs, row = [], [], 0
         for req, n in ctx.schedule:
             row += n
