@@ -312,4 +312,6 @@ def build_from_app(app: AppConfig) -> Engine:
         except (TypeError, ValueError, registry.RegistryError) as exc:
             raise ConfigError(f"pipeline.stages.{name}.params: {exc}") from exc
         (request_stages if cls.level == "request" else step_stages).append(stage)
+    if app.device.compile:  # after the stages bound their implementations into the model
+        model.forward = torch.compile(model.forward, dynamic=True)
     return Engine(rt, request_stages, step_stages)

@@ -32,6 +32,8 @@ class DeviceSection(_Section):
     threads: int | None = Field(default=None, ge=1, le=1024)
     # CUDA devices: replay captured graphs for decode-only steps (litellm_pipeline/model/cuda_graphs.py)
     cuda_graphs: bool = True
+    # opt-in: the model's forward through torch.compile (dynamic shapes; the first steps of each shape compile)
+    compile: bool = False
 
 
 class StageSection(_Section):

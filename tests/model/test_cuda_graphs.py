@@ -121,3 +121,15 @@ def test_cuda_graph_decode_gives_the_eager_tokens_on_a_gpu(arch, hf_checkpoint):
     assert [o.token_ids for o in graphs.generate(prompts, GREEDY)] == want
     runner = _decode_stage(graphs).graphs
     assert runner is not None and (runner.replays > 0 or runner.error is not None), runner.error
+
+
+@pytest.mark.slow
+def test_torch_compile_gives_the_eager_tokens():
+    """device.compile: the forward through torch.compile (inductor's C++ backend here) matches eager greedy."""
+    prompts = list(DEMO_PROMPTS[:3])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in build_llm().generate(prompts, params)]
+    llm = build_llm(["device.compile=true"])
+    assert hasattr(llm.engine.rt.model.forward, "_torchdynamo_orig_callable") or "compile" in repr(
+        llm.engine.rt.model.forward).lower()
+    assert [o.token_ids for o in llm.generate(prompts, params)] == want
