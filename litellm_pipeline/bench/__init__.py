@@ -66,6 +66,7 @@ def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_l
 
 def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
     per_run = 3 + s.num_requests + (1 if s.prefix_len else 0) + (2 + s.num_requests if s.deterministic else 0)
+    per_run += len(s.offload)
     if s.peer:
         per_run += 2 + s.num_requests + n_single
     return 1 + n_models + n_models * len(s.dtypes) * per_run
@@ -80,6 +81,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     tag = f"{name}/{dtype}"
     bar.set_description(f"{tag}: build engine")
     engine = build_engine(engine_config(base, path, dtype, s.engine))
+    is_moe = engine.rt.model_cfg.is_moe
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
     mark("engine build+warmup")
@@ -106,6 +108,12 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     if s.deterministic:
         row["deterministic"] = _measure_deterministic(path, s, base, items, b1, probe, bar, tag, dtype)
         mark("deterministic mode")
+    row["offload"] = None
+    if s.offload and is_moe:
+        row["offload"] = _measure_offload(path, s, base, b1, row["batch1"], bar, tag, dtype)
+        mark("expert offload")
+    else:
+        bar.update(len(s.offload))
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer:
         bar.set_description(f"{tag}: load transformers")
@@ -146,6 +154,33 @@ def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe,
     del engine
     gc.collect()
     return {"engine": work, "batch1": one}
+
+
+def _measure_offload(path, s: BenchSettings, base: dict, b1, resident: dict, bar: tqdm, tag: str, dtype: str) -> list:
+    """Batch-1 decode with ``moe.hot_experts`` = each of ``s.offload``: tokens/s, the offload counts per decode
+    token, and what a miss costs (the slowdown against the all-resident run over the misses per token)."""
+    from litellm_pipeline.builder import build_engine
+
+    out = []
+    for hot in s.offload:
+        bar.set_description(f"{tag}: offload hot_experts={hot}")
+        engine = build_engine(engine_config(base, path, dtype, {**s.engine, "moe.hot_experts": hot}))
+        engine_runs.warmup(engine, s.warmup, s.seed)
+        off = engine.rt.model.expert_offload
+        runs = engine_runs.batch1_decode(engine, b1, s.batch1_repeats)
+        st = off.stats()
+        tokens = s.batch1_repeats * b1.output_len
+        misses_per_token = st.misses / tokens
+        extra_ms = runs["tpot_ms"] - resident["tpot_ms"]
+        out.append({
+            "hot_experts": hot, "tok_s": runs["tok_s"], "tpot_ms": runs["tpot_ms"], **st.as_dict(),
+            "misses_per_token": misses_per_token, "device_expert_mb": off.device_bytes() / 2**20,
+            "miss_cost_ms": extra_ms / misses_per_token if misses_per_token > 0 else None,
+        })
+        bar.update()
+        del engine
+        gc.collect()
+    return out
 
 
 def run_bench(cfg: Any) -> dict:

@@ -138,6 +138,16 @@ def render(result: dict) -> str:
         out += ["", "batch-invariant mode (engine.deterministic=true) vs the default, same workload; cost = throughput "
                 "given up", _table(["model", "dtype", "mixed tok/s", "det tok/s", "cost %", "b1 tok/s", "det b1 tok/s",
                                     "cost %"], t3)]
+    off = [(r, o) for r in rows for o in (r.get("offload") or [])]
+    if off:
+        t4 = [[label(r), r["dtype"], str(o["hot_experts"]), _f(o["device_expert_mb"]), _f(r["batch1"]["tok_s"]),
+               _f(o["tok_s"]), _f(100 * o["hit_rate"]), _f(o["misses_per_token"], ".2f"),
+               _f(100 * o["prefetch_hits"] / max(o["hits"] + o["prefetch_hits"] + o["misses"], 1)),
+               _f(o["miss_cost_ms"], ".3f")] for r, o in off]
+        out += ["", "expert offload (moe.hot_experts) on batch-1 decode: hit rate = uses found on the device "
+                "(resident or prefetched in time); miss cost = slowdown per token / misses per token", _table(
+                    ["model", "dtype", "hot", "expert MB", "all b1 tok/s", "b1 tok/s", "hit %", "miss/tok",
+                     "prefetch %", "ms/miss"], t4)]
     targets = target_lines(rows)
     if targets:
         out += ["", "issue-3 targets (float32):", *targets]

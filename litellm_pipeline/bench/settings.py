@@ -41,6 +41,9 @@ class BenchSettings(_Section):
     engine: dict[str, Any] = {}  # extra config overrides for the engine under test, dotted keys
     # also run the workload and batch-1 decode with engine.deterministic=true and report its cost
     deterministic: bool = False
+    # MoE models: batch-1 decode again with moe.hot_experts = each value (expert offload): hit rate, misses per
+    # token and the decode cost of a miss against the all-resident run
+    offload: list[int] = []
     busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use (cores) above which a run is flagged
 
     @model_validator(mode="after")

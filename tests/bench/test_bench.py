@@ -191,7 +191,8 @@ def test_tiny_bench_end_to_end_with_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
-    data = run_bench_cli(tmp_path, "bench.models=[tiny_mixtral]", "bench.peer=false", "bench.deterministic=true", *TINY)
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_mixtral]", "bench.peer=false", "bench.deterministic=true",
+                         "bench.offload=[1,4]", *TINY)
     row = _check_common(data, "tiny_mixtral")
     assert row["peer_batched"] is None and row["peer_single"] is None and row["peer_batch1"] is None
     assert all(v is None for v in row["ratios"].values())
@@ -200,6 +201,11 @@ def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
     assert det["engine"]["output_tokens"] == row["engine"]["output_tokens"] and _positive(det["batch1"]["tok_s"])
     assert det["cost_pct_mixed"] == pytest.approx(100 * (1 - det["engine"]["output_tok_s"] / row["engine"]["output_tok_s"]))
     assert "batch-invariant mode" in data["_stdout"]
+    one, every = row["offload"]  # expert offload: 1 of 4 experts resident misses, all 4 never do
+    assert one["hot_experts"] == 1 and one["misses"] > 0 and one["hit_rate"] < 1 and one["miss_cost_ms"] is not None
+    assert every["misses"] == 0 and every["hit_rate"] == 1 and every["miss_cost_ms"] is None
+    assert every["device_expert_mb"] == pytest.approx(4 * one["device_expert_mb"])
+    assert "expert offload (moe.hot_experts)" in data["_stdout"]
 
 
 def test_unknown_bench_key_fails_before_any_work(tmp_path):
