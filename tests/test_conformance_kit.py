@@ -26,9 +26,9 @@ from litellm_pipeline.tiers.solvers import GreedySolver, Solution
 
 # every built-in entry, per kind; test_every_builtin_is_listed keeps this in step with the registry
 BUILTINS = {
-    "attention": ["cpu_paged", "sdpa"],
-    "layer_ops": ["cpu_fused", "torch"],
-    "moe_dispatch": ["fused", "packed"],
+    "attention": ["cpu_paged", "sdpa", "triton_paged"],
+    "layer_ops": ["cpu_fused", "torch", "triton"],
+    "moe_dispatch": ["fused", "packed", "triton_fused"],
     "kv_policy": ["lfu", "lru"],
     "budget_solver": ["exact", "greedy"],
     "router": ["tierset"],
@@ -60,17 +60,22 @@ def test_every_builtin_is_listed():
 # -- built-ins pass -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", BUILTINS["attention"])
+def cpu_entries(kind: str) -> list[str]:
+    """The Triton entries run the kit in tests/model/test_triton_*.py (under the interpreter on a CPU)."""
+    return [n for n in BUILTINS[kind] if not n.startswith("triton")]
+
+
+@pytest.mark.parametrize("name", cpu_entries("attention"))
 def test_builtin_attention(name):
     assert check_attention(name) == 3 * 11  # 5 fixed + 6 random steps in each of 3 dtypes
 
 
-@pytest.mark.parametrize("name", BUILTINS["layer_ops"])
+@pytest.mark.parametrize("name", cpu_entries("layer_ops"))
 def test_builtin_layer_ops(name):
     check_layer_ops(name)
 
 
-@pytest.mark.parametrize("name", BUILTINS["moe_dispatch"])
+@pytest.mark.parametrize("name", cpu_entries("moe_dispatch"))
 def test_builtin_moe_dispatch(name):
     check_moe_dispatch(name)
 
