@@ -227,6 +227,11 @@ class FusedLayerOps(LayerOps, Protocol):
     """Optional :class:`LayerOps` methods the engine uses when present; each may return None to decline, and the
     engine then runs the op-by-op path. Not checked at registration (they are optional)."""
 
+    def prepare_weights(self, model: Any) -> None:
+        """Called once by ``CausalLM.bind`` before the ops are bound: convert the weights these ops will read
+        (e.g. quantize the projections in place; ``model`` is the loaded ``CausalLM``). Their ``linear`` then
+        receives the converted tensors."""
+
     def decode_attention(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any:
         """A layer's whole attention half for a decode-only step (only bound with ``cpu_paged`` attention):

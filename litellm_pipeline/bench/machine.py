@@ -53,6 +53,7 @@ def machine_info() -> dict:
         "loadavg_start": loadavg(),
         "cpu_model": _cpu_model(),
         "bf16_row_linear": _row_linear_path(),
+        **_precision_support(),
     }
 
 
@@ -75,6 +76,18 @@ def _row_linear_path() -> str | None:
         return cpu_kernels.ops().row_linear_path()
     except Exception:  # no compiler: the mode runs the torch reference
         return None
+
+
+def _precision_support() -> dict:
+    """What this CPU does per precision: the kernels' vector ISA and whether 16-bit products are native (else the
+    16-bit GEMMs over many rows run as float32 on widened operands)."""
+    try:
+        from litellm_pipeline.model import cpu_kernels
+
+        ns = cpu_kernels.ops()
+        return {"simd": ns.simd_isa(), "native_bf16": ns.native_bf16_gemm(), "native_fp16": ns.native_fp16_gemm()}
+    except Exception:
+        return {"simd": None, "native_bf16": None, "native_fp16": None}
 
 
 class CpuMonitor:

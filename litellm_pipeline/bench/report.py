@@ -90,6 +90,12 @@ def _single_caption(rows: list[dict]) -> str:
     return "not run" if n is None else f"one at a time over the first {n} requests, TTFT = a 1-token generate"
 
 
+def _native(flag) -> str:
+    if flag is None:
+        return "unknown"
+    return "native" if flag else "emulated (many-row GEMMs widened to float32)"
+
+
 def render(result: dict) -> str:
     rows, roof, m = result["results"], result["roofline"], result["machine"]
     bw = roof["bandwidth_gbs"]
@@ -98,6 +104,8 @@ def render(result: dict) -> str:
         f"{m.get('bf16_row_linear') or 'torch'}), torch {m['torch']} with {m['torch_threads']} threads, "
         f"transformers {m['transformers'] or 'not installed'}; load average at start {m['loadavg_start']}, "
         f"at end {m.get('loadavg_end')}",
+        f"precisions: kernels {m.get('simd') or 'none'}; bfloat16 products "
+        f"{_native(m.get('native_bf16'))}, float16 products {_native(m.get('native_fp16'))}",
         f"roofline: read bandwidth {bw['best']:.1f} GB/s (sum {bw['sum']:.1f}, GEMV fp32 {bw['gemv_float32']:.1f}); "
         + ", ".join(f"GEMM {k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items()),
     ]

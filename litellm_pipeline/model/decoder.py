@@ -68,6 +68,9 @@ class CausalLM(nn.Module):
             if layer.is_moe:
                 layer.mlp.dispatch_fn = dispatch_fn
         if ops is not None:
+            prepare = getattr(ops, "prepare_weights", None)
+            if prepare is not None:  # e.g. weight-only quantization: the ops convert the weights they will read
+                prepare(self)
             self.ops = ops
             for m in self.modules():
                 if m is not self and hasattr(m, "ops"):

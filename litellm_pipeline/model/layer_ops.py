@@ -88,8 +88,34 @@ class TorchLayerOps:
 # Most rows for which the small-M linear kernel runs, per dtype. Measured against torch's GEMM (MKL / oneDNN)
 # on 768x2304, 768x4096 and 2048x768 weights with 2 threads: float32 is 1.05-1.25x faster at 1-3 rows,
 # 1.5-2.2x at 4-8, 1.1-1.5x at 16, about even at 32-64 and slower beyond; bfloat16 (where torch uses AMX
-# tiles from a few rows on) wins at 1-2 rows, where it reads half the bytes at the same bandwidth.
+# tiles from a few rows on) wins at 1-2 rows, where it reads half the bytes at the same bandwidth. These are the
+# limits on a CPU with native bfloat16 products; see small_linear_limits for the others.
 SMALL_LINEAR_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 2}
+# Without native 16-bit products (AVX2 CPUs, AVX-512 without BF16/FP16) torch's 16-bit GEMM is slow at every row
+# count (on a 2-core AMD EPYC with AVX2: 1x at 1 row, 3-5x slower than float32 from 8 rows on). The kernel (16-bit
+# weights widened in registers, half the bytes of float32) beats it everywhere and beats torch's float32 GEMM up to
+# 32-64 rows (768x2304, 768x6144, 3072x768 weights); past this many rows the widened float32 GEMM
+# (``upconvert_linear``: the weights widened per call) is as fast or faster on most shapes.
+UPCONVERT_SMALL_ROWS = 64
+
+
+def small_linear_limits(native_bf16: bool, native_fp16: bool) -> dict[torch.dtype, int]:
+    """The kernel's row limits on this CPU: 16-bit dtypes without native products take it up to
+    UPCONVERT_SMALL_ROWS rows (then the up-converted GEMM), with them the measured limits above."""
+    limits = dict(SMALL_LINEAR_MAX_ROWS)
+    if not native_bf16:
+        limits[torch.bfloat16] = UPCONVERT_SMALL_ROWS
+    if not native_fp16:
+        limits[torch.float16] = UPCONVERT_SMALL_ROWS
+    return limits
+
+
+def upconvert_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A 16-bit linear as float32 on widened operands (exact), the sums rounded once to x's dtype: what a
+    float32-accumulating 16-bit GEMM computes, at float32 GEMM speed where the CPU has no 16-bit products."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -101,6 +127,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         super().__init__(deterministic)
         # -1: every row through the row kernel (or one row per GEMM), the C++ ops' batch-invariant mode
         self.max_rows = dict.fromkeys(_FUSED_DTYPES, -1) if deterministic else dict(SMALL_LINEAR_MAX_ROWS)
+        self._upconvert: tuple[torch.dtype, ...] = ()
         try:
             ns = cpu_kernels.ops()
         except Exception as exc:  # no compiler, a failed build: run as the torch reference
@@ -112,6 +139,10 @@ class CpuFusedLayerOps(TorchLayerOps):
             self._ok = False
             return
         self._ok = True
+        native = {torch.bfloat16: ns.native_bf16_gemm(), torch.float16: ns.native_fp16_gemm()}
+        self._upconvert = tuple(d for d, has in native.items() if not has)
+        if not deterministic:
+            self.max_rows = small_linear_limits(native[torch.bfloat16], native[torch.float16])
         self._small_linear = ns.small_linear.default if ns.small_linear_supported() else None
         if self._small_linear is not None and deterministic:
             self._small_linear = ns.row_linear.default  # the same per-row contract for any number of rows
@@ -135,13 +166,15 @@ class CpuFusedLayerOps(TorchLayerOps):
             and self._small_linear is not None
             and x.dim() == 2
             and (x.shape[0] <= limit or limit < 0)
-            and x.dtype in SMALL_LINEAR_MAX_ROWS
+            and x.dtype in self.max_rows
             and x.is_cpu
             and x.dtype == w.dtype
             and (x.is_contiguous() or limit < 0)  # batch-invariant: a strided view still takes the row kernel
             and w.is_contiguous()
         ):
             return self._small_linear(x.contiguous(), w, bias)
+        if x.dtype in self._upconvert and limit >= 0 and x.is_cpu and w.dtype == x.dtype:
+            return upconvert_linear(x, w, bias)
         return super().linear(x, w, bias)
 
     def rms_norm(self, x, w, eps):

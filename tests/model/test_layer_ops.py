@@ -71,7 +71,7 @@ def test_elementwise_ops_match_reference(fused, dtype):
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)  # no rounding differences even in fp32
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
 @pytest.mark.parametrize("out_f,in_f", [(37, 45), (2304, 768), (96, 16), (8, 200)])
 def test_small_linear_equals_float64_gemm(fused, dtype, rows, out_f, in_f):
@@ -79,18 +79,20 @@ def test_small_linear_equals_float64_gemm(fused, dtype, rows, out_f, in_f):
     x = torch.randn(rows, in_f, generator=g).to(dtype)
     w = torch.randn(out_f, in_f, generator=g).to(dtype)
     b = torch.randn(out_f, generator=g).to(dtype)
+    saved = dict(fused.max_rows)
     fused.max_rows[dtype] = 32  # exercise the kernel at every row count here
     try:
         for bias in (None, b):
             out = fused.linear(x, w, bias)
             ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
             assert out.dtype == dtype and out.shape == (rows, out_f)
-            # fp32: accumulation order only; bf16: one final rounding (2^-8 relative)
-            tol = 1e-5 if dtype == torch.float32 else 8e-3
+            # fp32: accumulation order only; bf16 / fp16: one final rounding (2^-8 / 2^-11 relative)
+            tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
             err = ((out.double() - ref).abs() / (ref.abs() + in_f**0.5)).max().item()
             assert err < tol, err
     finally:
-        fused.max_rows.update(layer_ops.SMALL_LINEAR_MAX_ROWS)
+        fused.max_rows.clear()
+        fused.max_rows.update(saved)
 
 
 def test_linear_outside_the_kernel_is_torch(fused):
@@ -102,8 +104,22 @@ def test_linear_outside_the_kernel_is_torch(fused):
     assert torch.equal(fused.linear(x64, w64), F.linear(x64, w64))
     noncontig = torch.randn(48, 2, generator=g).t()
     assert torch.equal(fused.linear(noncontig, w), F.linear(noncontig, w))
-    fp16 = torch.randn(2, 48, generator=g).half()
-    assert torch.equal(fused.linear(fp16, w.half()), F.linear(fp16, w.half()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_16bit_linear_past_the_kernel_follows_the_cpu(fused, dtype):
+    """Many rows: torch's 16-bit GEMM where the CPU has native 16-bit products, else the float32 GEMM on
+    widened operands rounded once (upconvert_linear)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 48, generator=g).to(dtype)
+    many = torch.randn(fused.max_rows[dtype] + 1, 48, generator=g).to(dtype)
+    want = layer_ops.upconvert_linear(many, w) if dtype in fused._upconvert else F.linear(many, w)
+    assert torch.equal(fused.linear(many, w), want)
+    exact = F.linear(many.double(), w.double()).to(dtype)  # widening is exact: one rounding of float32 sums
+    assert (layer_ops.upconvert_linear(many, w).double() - exact.double()).abs().max() <= exact.double().abs().max() * 2**-7
+    ns = cpu_kernels.ops()
+    native = ns.native_bf16_gemm() if dtype == torch.bfloat16 else ns.native_fp16_gemm()
+    assert (dtype in fused._upconvert) == (not native)
 
 
 def test_kernel_errors_name_the_problem(fused):
@@ -164,7 +180,7 @@ def test_fused_ops_are_bound_to_every_layer(hf_checkpoint):
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama+bias", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
     """All layers in one call, each layer's attention half + dense MLP in one call, and the ops one by one give
     bit-identical logprobs: qkv bias (qwen2), q/k/v and o bias (llama+bias: attention_bias), q/k norm (qwen3),

@@ -154,3 +154,22 @@ def test_half_precision_runs_close_to_float32(dtype, hf_checkpoint):
     outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     ref = hf_generate(path, prompts, 4)
     assert [o.token_ids[0] for o in outs] == [r[0][0] for r in ref]
+
+
+def test_float16_checkpoint_loads_in_every_precision(tmp_path):
+    """A checkpoint stored in float16 (safetensors F16) runs in float16, bfloat16 and float32; greedy tokens of the
+    16-bit runs start as transformers' float32 run of the same weights does."""
+    import transformers  # noqa: F401
+
+    from hf_models import _write_tokenizer, build_model
+
+    model = build_model("llama", seed=3).to(torch.float16)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path, model.config.max_position_embeddings, model.config.vocab_size)
+    prompts = random_prompts((7, 15), seed=9)
+    ref = hf_generate(tmp_path, prompts, 4)
+    for dtype in ("float16", "bfloat16", "float32"):
+        llm = LLM(model=str(tmp_path), dtype=dtype)
+        assert llm.engine.rt.model.embed_tokens.dtype == getattr(torch, dtype)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        assert [o.token_ids[0] for o in outs] == [r[0][0] for r in ref], dtype

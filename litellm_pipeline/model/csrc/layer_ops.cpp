@@ -24,6 +24,26 @@
 #else
 #define LLP_AVX512 0
 #endif
+// AVX2 + FMA + F16C (most x86 CPUs without AVX-512): the same kernels on 8-lane registers
+#if !LLP_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLP_AVX2 1
+#else
+#define LLP_AVX2 0
+#endif
+#define LLP_SIMD (LLP_AVX512 || LLP_AVX2)
+// native 16-bit products for torch's GEMMs (oneDNN): bfloat16 with AVX-512 BF16 (AMX CPUs have it too), float16
+// with AVX-512 FP16. Without them a 16-bit GEMM over many rows runs as float32 on up-converted operands.
+#if LLP_AVX512 && defined(__AVX512BF16__)
+#define LLP_NATIVE_BF16 1
+#else
+#define LLP_NATIVE_BF16 0
+#endif
+#if defined(__AVX512FP16__)
+#define LLP_NATIVE_FP16 1
+#else
+#define LLP_NATIVE_FP16 0
+#endif
 // AVX-512 BF16 (vdpbf16ps: two bf16 products added into a float32 lane per instruction), used by row_linear
 #if LLP_AVX512 && defined(__AVX512BF16__)
 #define LLP_DPBF16 1
@@ -37,6 +57,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #define LLP_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
@@ -57,10 +78,18 @@ inline float rnd(float x) { return to_f(from_f<T>(x)); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 inline __m512 load16(const c10::BFloat16* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return widen(_mm256_maskz_loadu_epi16(m, p));
 }
+inline __m512 load16(const c10::Half* p, __mmask16 m) { return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p)); }
+// the two halves of 32 16-bit values as float32
+inline __m512 lo16(__m512i raw, const c10::BFloat16*) { return widen(_mm512_castsi512_si256(raw)); }
+inline __m512 hi16(__m512i raw, const c10::BFloat16*) { return widen(_mm512_extracti64x4_epi64(raw, 1)); }
+inline __m512 lo16(__m512i raw, const c10::Half*) { return _mm512_cvtph_ps(_mm512_castsi512_si256(raw)); }
+inline __m512 hi16(__m512i raw, const c10::Half*) { return _mm512_cvtph_ps(_mm512_extracti64x4_epi64(raw, 1)); }
+constexpr int kTileR = 4, kTileR1 = 8;  // weight rows per tile: several input rows / one input row
 
 // MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]). DP (bf16 only): pairs of
 // products through vdpbf16ps instead of widening to float32 and one FMA each (twice the products per
@@ -98,13 +127,13 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512i raw = _mm512_loadu_si512(w + r * K + k);
-        wlo[r] = widen(_mm512_castsi512_si256(raw));
-        whi[r] = widen(_mm512_extracti64x4_epi64(raw, 1));
+        wlo[r] = lo16(raw, w);
+        whi[r] = hi16(raw, w);
       }
 #pragma GCC unroll 4
       for (int m = 0; m < MC; ++m) {
         const __m512i raw = _mm512_loadu_si512(x + m * K + k);
-        const __m512 xlo = widen(_mm512_castsi512_si256(raw)), xhi = widen(_mm512_extracti64x4_epi64(raw, 1));
+        const __m512 xlo = lo16(raw, x), xhi = hi16(raw, x);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xhi, whi[r], _mm512_fmadd_ps(xlo, wlo[r], acc[m][r]));
       }
@@ -138,6 +167,56 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
     }
 }
 
+#elif LLP_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// (the scalar tail uses explicit fma: every instantiation rounds alike, so a row's result never depends on MC)
+// 16 ymm registers: MC x R accumulators plus R weight vectors and one input vector must fit
+constexpr int kTileR = 2, kTileR1 = 4;
+
+// MC input rows x R weight rows over the whole K, 8 lanes at a time (16-bit values widened exactly on load),
+// a scalar float32 tail; each output one float32 sum rounded once. DP is the AVX-512 BF16 variant's flag.
+template <typename T, int MC, int R, bool DP = false>
+inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const T* __restrict bias,
+                 T* __restrict y, int64_t ldy) {
+  __m256 acc[MC][R];
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = load8(w + r * K + k);
+#pragma GCC unroll 4
+    for (int m = 0; m < MC; ++m) {
+      const __m256 xv = load8(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  float tail[MC][R] = {};
+  for (; k < K; ++k)
+    for (int m = 0; m < MC; ++m)
+      for (int r = 0; r < R; ++r) tail[m][r] = std::fma(to_f(x[m * K + k]), to_f(w[r * K + k]), tail[m][r]);
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum8(acc[m][r]) + tail[m][r];
+      if (bias) s += to_f(bias[r]);
+      y[m * ldy + r] = from_f<T>(s);
+    }
+}
+#endif  // LLP_AVX512 / LLP_AVX2
+
+#if LLP_SIMD
 // the last < R output rows: one at a time
 template <typename T, bool DP>
 inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t ldy) {
@@ -148,7 +227,7 @@ inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bia
 template <typename T, bool DP>
 inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t O, int64_t o0,
                          int64_t o1) {
-  constexpr int R = 4;
+  constexpr int R = kTileR;
   int64_t o = o0;
   for (; o + R <= o1; o += R) {
     const T* wt = w + o * K;
@@ -170,7 +249,7 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
                  int64_t o1) {
   if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
     int64_t o = o0;
-    for (; o + 8 <= o1; o += 8) tile<T, 1, 8, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
+    for (; o + kTileR1 <= o1; o += kTileR1) tile<T, 1, kTileR1, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     for (; o < o1; ++o) tile<T, 1, 1, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     return;
   }
@@ -185,20 +264,27 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
       linear_block<T, DP>(x + mb * K, std::min(kMB, M - mb), K, w, bias, y + mb * O, O, ob, oe);
   }
 }
-#endif  // LLP_AVX512
+#endif  // LLP_SIMD
 
-bool small_linear_supported() { return LLP_AVX512; }
+bool small_linear_supported() { return LLP_SIMD; }
+
+// the vector code this build runs (the bench and the tests report it)
+std::string simd_isa() { return LLP_AVX512 ? "avx512" : LLP_AVX2 ? "avx2" : "none"; }
+
+// whether this CPU has native 16-bit products (else the kernels' many-row 16-bit GEMMs are up-converted)
+bool native_bf16_gemm() { return LLP_NATIVE_BF16; }
+bool native_fp16_gemm() { return LLP_NATIVE_FP16; }
 
 // which arithmetic row_linear gives bfloat16 on this CPU (the bench and the tests report it)
 std::string row_linear_path() {
 #if LLP_AMX
   if (llp_amx::available()) return "amx";
 #endif
-  return LLP_DPBF16 ? "avx512_bf16" : LLP_AVX512 ? "avx512" : "none";
+  return LLP_DPBF16 ? "avx512_bf16" : LLP_AVX512 ? "avx512" : LLP_AVX2 ? "avx2" : "none";
 }
 
 at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, bool dp) {
-  TORCH_CHECK(LLP_AVX512, "small_linear: this build has no AVX-512 kernel (use torch linear)");
+  TORCH_CHECK(LLP_SIMD, "small_linear: this build has no AVX-512 or AVX2 kernel (use torch linear)");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_linear: x [M, K], w [O, K] expected");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "small_linear: x and w must be contiguous");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "small_linear: x and w must share a dtype");
@@ -217,7 +303,7 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::op
     return y;
   }
 #endif
-#if LLP_AVX512
+#if LLP_SIMD
   // output rows per task: a multiple of 8, and enough of them that a task reads >= ~64 KB of weights
   const int64_t grain = std::max<int64_t>(1, (16384 + K - 1) / K / 8);
   auto run = [&](auto tag) {
@@ -227,7 +313,7 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::op
     const T* bp = bias.has_value() ? bias->data_ptr<T>() : nullptr;
     T* yp = y.data_ptr<T>();
     at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
-      if constexpr (sizeof(T) == 2 && LLP_DPBF16) {
+      if constexpr (std::is_same_v<T, c10::BFloat16> && LLP_DPBF16) {
         if (dp) return linear_rows<T, true>(xp, wp, bp, yp, M, K, O, b * 8, std::min(O, e * 8));
       }
       linear_rows<T>(xp, wp, bp, yp, M, K, O, b * 8, std::min(O, e * 8));
@@ -236,7 +322,8 @@ at::Tensor linear_kernel(const at::Tensor& x, const at::Tensor& w, const c10::op
   switch (x.scalar_type()) {
     case at::kFloat: run(float{}); break;
     case at::kBFloat16: run(c10::BFloat16{}); break;
-    default: TORCH_CHECK(false, "small_linear: dtype ", x.scalar_type(), " not supported (float32, bfloat16)");
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, "small_linear: dtype ", x.scalar_type(), " not supported (float32, bfloat16, float16)");
   }
 #endif
   return y;
@@ -407,15 +494,30 @@ void rotary_(at::Tensor q, at::Tensor k, const at::Tensor& cos_in, const at::Ten
 }
 
 // ---------------------------------------------------------------------------------------------- MoE experts
+// A 16-bit GEMM over many rows where the CPU has no native 16-bit products: torch's 16-bit GEMM falls back to
+// slow paths there, so the operands are widened to float32 (exact) and the float32 GEMM's sums rounded once to
+// the 16-bit dtype, as a float32-accumulating 16-bit GEMM rounds. Weights are widened per call, not kept: the
+// GEMM over many rows costs far more than reading the weights once more.
+inline bool upconverts(at::ScalarType t) {
+  return (t == at::kBFloat16 && !LLP_NATIVE_BF16) || (t == at::kHalf && !LLP_NATIVE_FP16);
+}
+at::Tensor upconvert_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  c10::optional<at::Tensor> b32 = c10::nullopt;
+  if (bias.has_value()) b32 = bias->to(at::kFloat);
+  return at::linear(x.to(at::kFloat), w.to(at::kFloat), b32).to(x.scalar_type());
+}
+
 // x @ w^T through small_linear when it applies (few rows, float32/bf16, AVX-512 build), else torch's GEMM.
 // max_rows < 0 is the batch-invariant mode: every row gets the arithmetic it gets alone, whatever the other rows
 // are: row_linear computes each output from its own input row only, so it serves any number of rows; without
 // it (another dtype, no AVX-512) every row is its own one-row GEMM.
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows,
                       const c10::optional<at::Tensor>& bias = c10::nullopt) {
-  const bool kernel = LLP_AVX512 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+  const auto t = x.scalar_type();
+  const bool kernel = LLP_SIMD && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
   if (kernel && max_rows < 0) return row_linear(x, w, bias);
   if (kernel && x.size(0) <= max_rows) return small_linear(x, w, bias);
+  if (max_rows >= 0 && upconverts(t)) return upconvert_linear(x, w, bias);
   if (max_rows >= 0 || x.size(0) <= 1) return at::linear(x, w, bias);
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   for (int64_t i = 0; i < x.size(0); ++i) y.narrow(0, i, 1).copy_(at::linear(x.narrow(0, i, 1), w, bias));
@@ -645,6 +747,9 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("row_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported", &small_linear_supported);
   m.def("row_linear_path", &row_linear_path);
+  m.def("simd_isa", &simd_isa);
+  m.def("native_bf16_gemm", &native_bf16_gemm);
+  m.def("native_fp16_gemm", &native_fp16_gemm);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
