@@ -101,6 +101,7 @@ _BUILTIN_MODULES = (
     "litellm_pipeline.model.attention",
     "litellm_pipeline.model.attention_cpu",
     "litellm_pipeline.model.layer_ops",
+    "litellm_pipeline.model.int8_ops",
     "litellm_pipeline.model.moe",
     "litellm_pipeline.routing",
     "litellm_pipeline.tiers.solvers",

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp"))
+SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp"))
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 NAMESPACE = "litellm_pipeline_cpu"
 

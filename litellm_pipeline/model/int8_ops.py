@@ -1,0 +1,185 @@
+"""Int8 weight-only layer ops (registry kind ``layer_ops``, name ``cpu_int8``).
+
+Select with ``pipeline.stages.decode.params.layer_ops=cpu_int8``. When the decode stage binds these ops,
+``prepare_weights`` quantizes every projection weight of the model in place:
+
+* attention ``qkv_proj`` and ``o_proj``, dense MLP ``gate_up_proj`` / ``down_proj``, MoE experts ``w13`` / ``w2``
+  (one scale per row of each expert) and shared experts;
+* not the embeddings, the LM head, the router ``gate``, the shared-expert gate, norms or biases.
+
+Quantization is symmetric per output channel: ``scale = max|w_row| / 127``, ``q = round(w / scale)`` clamped to
+[-127, 127] and stored as int8 (a quarter of float32's bytes, half of bfloat16's), so ``|w - q * scale| <=
+scale / 2``. The float32 scales live in a table keyed by the weight's storage address and shape (each expert's
+slice ``w13[e]`` is registered too: the ``packed`` MoE dispatch passes those slices to ``linear``).
+
+``linear(x, w, bias)`` with an int8 ``w`` runs ``int8_linear`` (``csrc/int8_linear.cpp``): ``(x @ q^T) * scale
+(+ bias)`` with float32 accumulation of the exactly widened operands, the sum scaled and rounded once to ``x``'s
+dtype. Every output is one whole-K dot product whose order does not depend on the other rows, so the kernel is
+batch-invariant: with ``deterministic=True`` (``engine.deterministic``) every ``linear`` runs it whatever the row
+count. Otherwise steps with more than ``INT8_KERNEL_MAX_ROWS`` rows (prefill) widen the weights to float32 in
+blocks of rows and use torch's GEMM (same sums, another summation order): measured faster there (see below).
+Anything else (float weights, another device, no C++ build) goes to ``cpu_fused`` / the torch reference.
+
+The fused whole-layer C++ paths of ``cpu_fused`` (``decode_attention``, ``decode_layers``, ``moe_experts``,
+``residual_mlp``) read the weights as float, so they are switched off here; the model then runs op by op and
+every projection comes through ``linear``. Expert offload (``moe.hot_experts``) copies float expert weights
+between devices and is refused.
+
+Accuracy: the demo model's greedy tokens and logprobs drift from the float32 run by the quantization error; see
+``tests/model/test_int8_ops.py`` for the measured bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from litellm_pipeline.model.layer_ops import CpuFusedLayerOps, TorchLayerOps
+from litellm_pipeline.registry import register
+
+QMAX = 127
+# Most rows for which (deterministic=False) the int8 kernel runs; above, widen-and-GEMM. Measured on a 2-core AMD
+# EPYC (AVX2), 1 thread, 768x2304 and 3072x768 weights: the kernel is 1.5-6x faster than the widened GEMM at 1-16
+# rows (and faster than torch's float32 GEMM on float32 weights), about even at 64, and the GEMM is even to 1.3x
+# faster from 128 rows on (bfloat16 activations: from 64).
+INT8_KERNEL_MAX_ROWS = 64
+# output rows widened to float32 at a time on the many-row path (bounds its temporary to ~this x K x 4 bytes)
+_DEQUANT_BLOCK = 1024
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of ``w [..., O, K]``: ``(q int8 [..., O, K], scale float32 [..., O])`` with
+    ``scale = max|row| / 127`` (1 for an all-zero row) and ``q = round(w / scale)`` in [-127, 127]."""
+    wf = w.detach().float()
+    amax = wf.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(wf / scale.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``(x @ q^T) * scale (+ bias)`` through torch's float32 GEMM, the weights widened in blocks of rows (exact);
+    the sums scaled and rounded once to ``x``'s dtype. Any device."""
+    xf = x.float()
+    o = q.shape[0]
+    y = torch.empty(*x.shape[:-1], o, dtype=torch.float32, device=x.device)
+    for o0 in range(0, o, _DEQUANT_BLOCK):
+        o1 = min(o, o0 + _DEQUANT_BLOCK)
+        y[..., o0:o1] = F.linear(xf, q[o0:o1].float())
+    y.mul_(scale)
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(x.dtype)
+
+
+def _key(w: torch.Tensor) -> tuple:
+    # the storage address alone is ambiguous: w13 and its slice w13[0] start at the same byte
+    return (w.data_ptr(), tuple(w.shape), w.device)
+
+
+@register("layer_ops", "cpu_int8")
+class Int8LayerOps(CpuFusedLayerOps):
+    """Int8 weight-only projections (per-output-channel scales) on the C++ kernel; ``cpu_fused`` for the rest.
+
+    ``deterministic=True`` runs every int8 ``linear`` through the kernel (a row's result is the same in any batch;
+    the kernel is per-row, so it is batch-invariant at any row count).
+    """
+
+    # whole-layer C++ paths that would read the int8 weights as float: off, the model runs op by op
+    decode_attention = None
+    decode_layers = None
+    moe_experts = None
+    residual_mlp = TorchLayerOps.residual_mlp  # h + mlp(x): the MLP's projections come through self.linear
+
+    def __init__(self, deterministic: bool = False):
+        super().__init__(deterministic)
+        self._scales: dict[tuple, torch.Tensor] = {}
+        self._int8_linear = None
+        if self._ok:
+            ns = torch.ops.litellm_pipeline_cpu
+            self._int8_linear = ns.int8_linear.default
+
+    # -- weights --------------------------------------------------------------------------------------------
+
+    def prepare_weights(self, model) -> None:
+        """Quantize the model's projection weights in place (see the module doc) and register their scales."""
+        from litellm_pipeline.model.layers import Attention, GatedMLP, SparseMoE
+
+        offload = getattr(model, "expert_offload", None)
+        if offload is not None or any(getattr(m, "offload", None) is not None for m in model.modules()
+                                      if isinstance(m, SparseMoE)):
+            raise ValueError(
+                "layer_ops cpu_int8 does not support expert offload (moe.hot_experts): the offloaded experts are "
+                "copied as float weights; unset moe.hot_experts or use another layer_ops"
+            )
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, Attention):
+                    names = ("qkv_proj", "o_proj")
+                elif isinstance(m, GatedMLP):  # dense MLPs and MoE shared experts
+                    names = ("gate_up_proj", "down_proj")
+                elif isinstance(m, SparseMoE):  # experts only: the router gate and shared-expert gate stay float
+                    names = ("w13", "w2")
+                else:
+                    continue
+                scales = m.__dict__.setdefault("int8_scales", {})  # kept on the module: a later bind finds them
+                for name in names:
+                    w = getattr(m, name)
+                    if w.dtype != torch.int8:
+                        q, scale = self._quantize(w)
+                        setattr(m, name, nn.Parameter(q, requires_grad=False))
+                        scales[name] = scale
+                    elif name not in scales:
+                        raise ValueError(f"{type(m).__name__}.{name} is int8 but has no scales (quantized elsewhere?)")
+                    self._register(getattr(m, name), scales[name])
+
+    @staticmethod
+    def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row by row in blocks (or expert by expert): the float32 temporaries stay small for big weights."""
+        q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[:-1], dtype=torch.float32, device=w.device)
+        flat_w, flat_q, flat_s = w.reshape(-1, w.shape[-1]), q.view(-1, w.shape[-1]), scale.view(-1)
+        for r0 in range(0, flat_w.shape[0], 4096):
+            r1 = min(flat_w.shape[0], r0 + 4096)
+            flat_q[r0:r1], flat_s[r0:r1] = quantize_rows(flat_w[r0:r1])
+        return q, scale
+
+    def _register(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        if q.dim() == 2:
+            self._scales[_key(q)] = scale
+        else:  # [E, O, K] experts: the dispatch passes each expert's [O, K] slice
+            for e in range(q.shape[0]):
+                self._scales[_key(q[e])] = scale[e]
+
+    def scale_of(self, w: torch.Tensor) -> torch.Tensor:
+        """The float32 [O] scales of a quantized weight (or expert slice) this instance prepared."""
+        s = self._scales.get(_key(w))
+        if s is None:
+            raise KeyError(
+                f"layer_ops cpu_int8: int8 weight {tuple(w.shape)} has no registered scales (not quantized by "
+                "prepare_weights of these ops)"
+            )
+        return s
+
+    # -- ops ------------------------------------------------------------------------------------------------
+
+    def linear(self, x, w, bias=None):
+        if w.dtype != torch.int8:
+            return super().linear(x, w, bias)
+        scale = self.scale_of(w)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        if (
+            self._int8_linear is not None
+            and x.dim() == 2
+            and x.is_cpu
+            and w.is_cpu
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and w.is_contiguous()
+            and (self.deterministic or x.shape[0] <= INT8_KERNEL_MAX_ROWS)
+        ):
+            return self._int8_linear(x, w, scale, bias)
+        if self.deterministic and x.dim() == 2 and x.shape[0] > 1:  # one row per GEMM: the same sums in any batch
+            return torch.cat([dequant_linear(x[i : i + 1], w, scale, bias) for i in range(x.shape[0])])
+        return dequant_linear(x, w, scale, bias)
