@@ -75,6 +75,23 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One key block of the online softmax (scores ``s`` in log2 units, masked with -inf): the new running max,
+    normaliser and output accumulator. The weights are rounded to V's dtype before the product, as flash
+    attention does."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = p.to(v.dtype)
+    if DOT_F32:
+        v = v.to(tl.float32)
+        pv = pv.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr,
     s_kt, s_kh, s_kd, s_vt, s_vh, s_vd,
@@ -142,17 +159,8 @@ def _decode_kernel(
         if USE_WINDOW:
             visible = visible & (kpos >= first)
         s = tl.where(visible[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + slots * s_vcs + v_col, mask=kv_mask, other=0.0)
-        pv = p.to(vc_ptr.dtype.element_ty)  # rounded to the activation dtype, as flash attention does
-        if DOT_F32:
-            v = v.to(tl.float32)
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_F32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + row * s_ot + heads * s_oh + d[None, :] * s_od, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
@@ -214,17 +222,8 @@ def _prefill_kernel(
         if USE_WINDOW:
             visible = visible & (kpos > qpos - window)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(vc_ptr + slots * s_vcs + v_col, mask=kv_mask, other=0.0)
-        pv = p.to(vc_ptr.dtype.element_ty)  # rounded to the activation dtype, as flash attention does
-        if DOT_F32:
-            v = v.to(tl.float32)
-            pv = pv.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision="ieee")
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, DOT_F32)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + rows * s_ot + heads * s_oh + d[None, :] * s_od, out.to(o_ptr.dtype.element_ty), mask=q_mask)
 
