@@ -304,6 +304,7 @@ def build_from_app(app: AppConfig) -> Engine:
         deterministic=app.engine.deterministic,
         tenants=TenantLedger(policies) if policies else None,
         cuda_graphs=app.device.cuda_graphs and device.type == "cuda",
+        huge_pages=app.device.huge_pages and device.type == "cpu",
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

@@ -32,6 +32,8 @@ class DeviceSection(_Section):
     threads: int | None = Field(default=None, ge=1, le=1024)
     # CUDA devices: replay captured graphs for decode-only steps (litellm_pipeline/model/cuda_graphs.py)
     cuda_graphs: bool = True
+    # CPU: the weights in transparent huge pages where the kernel offers them (litellm_pipeline/model/weight_arena.py)
+    huge_pages: bool = True
     # opt-in: the model's forward through torch.compile (dynamic shapes; the first steps of each shape compile)
     compile: bool = False
 

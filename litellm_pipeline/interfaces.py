@@ -182,8 +182,9 @@ class MoEDispatch(Protocol):
 class LayerOps(Protocol):
     """Kind ``layer_ops``: the dense projections and small per-layer steps of the decoder.
 
-    Built once by the decode stage as ``cls()``, or ``cls(deterministic=True)`` under ``engine.deterministic``
-    (the batch-invariant mode: a class whose constructor takes no ``deterministic`` is refused then), and bound
+    Built once by the decode stage as ``cls(**layer_ops_params)``, plus ``deterministic=True`` under
+    ``engine.deterministic`` (the batch-invariant mode: a class whose constructor takes no ``deterministic`` is
+    refused then); ``layer_ops_params`` is the decode stage's parameter of that name (default none). Bound
     to every layer. Called several times per layer per step, so no host sync and no allocation it can avoid.
     The reference is ``torch``; every method must match it within :data:`REFERENCE_TOLERANCE` on any shape the
     engine passes, and with ``deterministic=True`` a row's result must not depend on the other rows.
@@ -447,7 +448,8 @@ INTERFACES: Mapping[str, Interface] = {
         Interface("attention", Attention, function=True,
                   built_as="fn(q, k, v, k_cache, v_cache, meta, scale, sliding_window)"),
         Interface("moe_dispatch", MoEDispatch, function=True, built_as="fn(x, expert_idx, expert_w, w13, w2, ops)"),
-        Interface("layer_ops", LayerOps, built_as="cls() or cls(deterministic=True)", build_args=0, build_exact=True,
+        Interface("layer_ops", LayerOps, built_as="cls(**layer_ops_params[, deterministic=True])", build_args=0,
+                  build_exact=True,
                   optional=FusedLayerOps),
         Interface("router", Router, built_as="cls(model_cfg, device, **params)", build_args=2),
         Interface("sampler", Sampler, built_as="cls(**params)"),

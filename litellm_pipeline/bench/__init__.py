@@ -53,6 +53,12 @@ def engine_config(base: Mapping[str, Any], path: Path, dtype: str, overrides: Ma
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
+def _config(base: Mapping[str, Any], path: Path, s: BenchSettings, precision: str, extra: Mapping[str, Any]) -> dict:
+    """The engine config of one precision: its compute dtype, ``bench.engine`` + ``extra``, and what the
+    precision itself sets (int8: the cpu_int8 layer ops), which wins over both."""
+    return engine_config(base, path, s.compute_dtype(precision), {**s.engine, **extra, **s.precision_overrides(precision)})
+
+
 def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_len: int | None) -> None:
     """Fail before any work when a length cannot fit a model's context."""
     for name, cfg in models:
@@ -80,7 +86,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     name, dtype = row["model"], row["dtype"]
     tag = f"{name}/{dtype}"
     bar.set_description(f"{tag}: build engine")
-    engine = build_engine(engine_config(base, path, dtype, s.engine))
+    engine = build_engine(_config(base, path, s, dtype, {}))
     is_moe = engine.rt.model_cfg.is_moe
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
@@ -109,13 +115,15 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         row["deterministic"] = _measure_deterministic(path, s, base, items, b1, probe, bar, tag, dtype)
         mark("deterministic mode")
     row["offload"] = None
-    if s.offload and is_moe:
+    if s.offload and is_moe and dtype != "int8":  # cpu_int8 refuses expert offload
         row["offload"] = _measure_offload(path, s, base, b1, row["batch1"], bar, tag, dtype)
         mark("expert offload")
     else:
         bar.update(len(s.offload))
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
-    if s.peer:
+    if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
+        bar.update(2 + s.num_requests + len(single_items))
+    elif s.peer:
         bar.set_description(f"{tag}: load transformers")
         model, err = peer.load_peer(path, dtype, device)
         if model is None:
@@ -145,7 +153,7 @@ def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe,
     from litellm_pipeline.builder import build_engine
 
     bar.set_description(f"{tag}: deterministic mode")
-    engine = build_engine(engine_config(base, path, dtype, {**s.engine, "engine.deterministic": True}))
+    engine = build_engine(_config(base, path, s, dtype, {"engine.deterministic": True}))
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
     work = engine_runs.run_workload(engine, items, on_finish=bar.update)
@@ -164,7 +172,7 @@ def _measure_offload(path, s: BenchSettings, base: dict, b1, resident: dict, bar
     out = []
     for hot in s.offload:
         bar.set_description(f"{tag}: offload hot_experts={hot}")
-        engine = build_engine(engine_config(base, path, dtype, {**s.engine, "moe.hot_experts": hot}))
+        engine = build_engine(_config(base, path, s, dtype, {"moe.hot_experts": hot}))
         engine_runs.warmup(engine, s.warmup, s.seed)
         off = engine.rt.model.expert_offload
         runs = engine_runs.batch1_decode(engine, b1, s.batch1_repeats)
@@ -212,7 +220,8 @@ def run_bench(cfg: Any) -> dict:
               mininterval=0.5, dynamic_ncols=True) as bar:
         bar.set_description("roofline")
         rl = s.roofline
-        result["roofline"] = measure_roofline(list(s.dtypes), rl.bandwidth_mb, rl.gemm_size, rl.repeats, device)
+        compute = list(dict.fromkeys(s.compute_dtype(p) for p in s.dtypes))
+        result["roofline"] = measure_roofline(compute, rl.bandwidth_mb, rl.gemm_size, rl.repeats, device)
         bar.update()
         mon.mark("roofline")
         paths = {}
@@ -225,7 +234,10 @@ def run_bench(cfg: Any) -> dict:
         for name, mcfg in models:
             for dtype in s.dtypes:
                 first_phase = len(mon.phases)
-                row: dict[str, Any] = {"model": name, "dtype": dtype, "partial": True}
+                row: dict[str, Any] = {"model": name, "dtype": dtype, "compute_dtype": s.compute_dtype(dtype),
+                                       "partial": True}
+                if dtype == "int8":
+                    row["int8_lm_head"] = s.int8_lm_head
                 result["results"].append(row)
 
                 def mark(label: str, tag: str = f"{name}/{dtype}") -> None:

@@ -85,9 +85,10 @@ def _precision_support() -> dict:
         from litellm_pipeline.model import cpu_kernels
 
         ns = cpu_kernels.ops()
-        return {"simd": ns.simd_isa(), "native_bf16": ns.native_bf16_gemm(), "native_fp16": ns.native_fp16_gemm()}
+        return {"simd": ns.simd_isa(), "native_bf16": ns.native_bf16_gemm(), "native_fp16": ns.native_fp16_gemm(),
+                "int8_kernel": ns.int8_linear_isa()}
     except Exception:
-        return {"simd": None, "native_bf16": None, "native_fp16": None}
+        return {"simd": None, "native_bf16": None, "native_fp16": None, "int8_kernel": None}
 
 
 class CpuMonitor:

@@ -80,6 +80,8 @@ def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
     ``body_active``: the weights one token runs through in the decoder layers (for MoE only its top-k
     experts, plus attention, router and norms); ``head``: the output projection (the embedding when tied),
     read once per sampled token. The embedding lookup reads one row, so it counts as nothing per token.
+    ``proj_active`` / ``proj_rows_active``: the projection weights (attention, MLP / active experts) among
+    ``body_active`` and their output rows (what int8 weight-only quantizes, one scale per row).
     """
     h, i, v, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     nh, nkv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
@@ -88,6 +90,10 @@ def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
     attn = 2 * h * nh * hd + 2 * h * nkv * hd
     mlp = 3 * h * i
     norms = 2 * h
+    attn_rows = (nh + 2 * nkv) * hd + h
+    mlp_rows = 2 * i + h
+    proj_active = layers * (attn + max(top_k, 1) * mlp)
+    proj_rows_active = layers * (attn_rows + max(top_k, 1) * mlp_rows)
     if experts:
         layer_total = attn + experts * mlp + experts * h + norms
         layer_active = attn + top_k * mlp + experts * h + norms
@@ -101,8 +107,11 @@ def param_counts(cfg: dict[str, Any]) -> dict[str, int]:
         "total": total,
         "embedding": embedding,
         "head": v * h,
+        "head_rows": v,
         "body_active": body_active,
         "active_per_token": body_active + v * h,
+        "proj_active": proj_active,
+        "proj_rows_active": proj_rows_active,
         "experts": experts,
         "experts_per_token": top_k,
     }

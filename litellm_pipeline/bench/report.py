@@ -15,12 +15,26 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def weight_bytes_per_token(params: dict, precision: str, compute_dtype: str | None = None,
+                           int8_lm_head: bool = False) -> float:
+    """Bytes of weights one decode token reads. int8: the projections at one byte per weight plus a float32
+    scale per output row; the rest (norms, router, the LM head unless quantized) in the activation dtype."""
+    if precision != "int8":
+        return params["active_per_token"] * DTYPE_BYTES[precision]
+    act = DTYPE_BYTES[compute_dtype or "float32"]
+    proj = params["proj_active"] + 4 * params["proj_rows_active"]
+    rest = (params["body_active"] - params["proj_active"]) * act
+    head = params["head"] + 4 * params["head_rows"] if int8_lm_head else params["head"] * act
+    return proj + rest + head
+
+
 def derive(row: dict, roofline: dict) -> None:
     """Add ``ratios`` and ``roofline`` to one model x dtype result (in place)."""
     params, dtype, eng = row["params"], row["dtype"], row["engine"]
-    weight_bytes = params["active_per_token"] * DTYPE_BYTES[dtype]
+    compute = row.get("compute_dtype") or dtype
+    weight_bytes = weight_bytes_per_token(params, dtype, compute, bool(row.get("int8_lm_head")))
     bw = roofline["bandwidth_gbs"]["best"] * 1e9
-    peak = roofline["gemm_gflops"].get(dtype, 0.0) * 1e9
+    peak = roofline["gemm_gflops"].get(compute, 0.0) * 1e9
     # model FLOPs of the workload: every prompt and output token runs the active body; only sampled
     # positions run the head (attention's own FLOPs are left out, so this slightly understates the work)
     flops = 2 * (params["body_active"] * (eng["prompt_tokens"] + eng["output_tokens"]) + params["head"] * eng["output_tokens"])
@@ -96,6 +110,35 @@ def _native(flag) -> str:
     return "native" if flag else "emulated (many-row GEMMs widened to float32)"
 
 
+def _precision_name(r: dict) -> str:
+    if r["dtype"] != "int8":
+        return r["dtype"]
+    return f"int8 ({r.get('compute_dtype') or 'float32'} act{', int8 head' if r.get('int8_lm_head') else ''})"
+
+
+def precision_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
+    """Per model, its precisions side by side against its float32 row (when measured in the same run): which
+    precision to pick on this machine. Empty when no model has more than one precision."""
+    by_model: dict[str, list[dict]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+    if not any(len(rs) > 1 for rs in by_model.values()):
+        return []
+    t = []
+    for rs in by_model.values():
+        ref = next((r for r in rs if r["dtype"] == "float32"), None)
+        for r in rs:
+            mixed, b1 = r["engine"]["output_tok_s"], r["batch1"]["tok_s"]
+            roof = r["roofline"]
+            t.append([label(r), _precision_name(r), _f(roof["weight_bytes_per_token"] / 2**20),
+                      _f(mixed), _f(_ratio(mixed, ref and ref["engine"]["output_tok_s"]), ".2f"),
+                      _f(b1), _f(_ratio(b1, ref and ref["batch1"]["tok_s"]), ".2f"),
+                      _f(roof.get("batch1_bandwidth_pct_adjacent") or roof["batch1_bandwidth_pct"])])
+    return ["", "precisions side by side (x fp32: against the same model's float32 row of this run; %BW: batch-1 "
+            "bytes read per second vs the adjacent bandwidth)", _table(
+                ["model", "precision", "MB/token", "mixed tok/s", "x fp32", "b1 tok/s", "x fp32", "%BW"], t)]
+
+
 def render(result: dict) -> str:
     rows, roof, m = result["results"], result["roofline"], result["machine"]
     bw = roof["bandwidth_gbs"]
@@ -105,7 +148,8 @@ def render(result: dict) -> str:
         f"transformers {m['transformers'] or 'not installed'}; load average at start {m['loadavg_start']}, "
         f"at end {m.get('loadavg_end')}",
         f"precisions: kernels {m.get('simd') or 'none'}; bfloat16 products "
-        f"{_native(m.get('native_bf16'))}, float16 products {_native(m.get('native_fp16'))}",
+        f"{_native(m.get('native_bf16'))}, float16 products {_native(m.get('native_fp16'))}; int8 weight-only "
+        f"kernel {m.get('int8_kernel') or 'unavailable'}",
         f"roofline: read bandwidth {bw['best']:.1f} GB/s (sum {bw['sum']:.1f}, GEMV fp32 {bw['gemv_float32']:.1f}); "
         + ", ".join(f"GEMM {k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items()),
     ]
@@ -138,6 +182,7 @@ def render(result: dict) -> str:
         ["model", "dtype", "b1 tok/s", "hf b1 tok/s", "x", "BW roof tok/s", "%BW", "adj GB/s", "%BW adj", "GFLOP/s",
          "%FLOP",
          "prefix TTFT hit/cold ms", "speedup"], t2)]
+    out += precision_table(rows, label)
     det = [r for r in rows if r.get("deterministic")]
     if det:
         t3 = [[label(r), r["dtype"], _f(r["engine"]["output_tok_s"]), _f(r["deterministic"]["engine"]["output_tok_s"]),

@@ -22,7 +22,11 @@ class RooflineSettings(_Section):
 
 class BenchSettings(_Section):
     models: list[str | dict[str, Any]] = Field(default=["llama125m", "mixtral175m"], min_length=1)
-    dtypes: list[Literal["float32", "bfloat16", "float16"]] = Field(default=["float32", "bfloat16"], min_length=1)
+    # precisions: a float dtype (weights and activations), or int8 (layer_ops cpu_int8: int8 projection weights,
+    # activations in int8_activations, the LM head int8 too when int8_lm_head)
+    dtypes: list[Literal["float32", "bfloat16", "float16", "int8"]] = Field(default=["float32", "bfloat16"], min_length=1)
+    int8_activations: Literal["float32", "bfloat16", "float16"] = "float32"
+    int8_lm_head: bool = True
     num_requests: int = Field(default=64, ge=1)
     prompt_len: tuple[int, int] = (16, 512)  # uniform, inclusive
     output_len: tuple[int, int] = (16, 256)
@@ -45,6 +49,17 @@ class BenchSettings(_Section):
     # token and the decode cost of a miss against the all-resident run
     offload: list[int] = []
     busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use (cores) above which a run is flagged
+
+    def compute_dtype(self, precision: str) -> str:
+        """The activation (device) dtype a precision runs in."""
+        return self.int8_activations if precision == "int8" else precision
+
+    def precision_overrides(self, precision: str) -> dict[str, Any]:
+        """Engine config overrides a precision adds to ``engine`` (int8: the cpu_int8 layer ops)."""
+        if precision != "int8":
+            return {}
+        return {"pipeline.stages.decode.params.layer_ops": "cpu_int8",
+                "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
 
     @model_validator(mode="after")
     def _ranges(self) -> "BenchSettings":

@@ -38,6 +38,7 @@ class Runtime:
     deterministic: bool = False  # engine.deterministic: batch-invariant steps
     tenants: TenantLedger | None = None  # the quotas of conf/tenants (None: no tenant has one)
     cuda_graphs: bool = False  # device.cuda_graphs on a CUDA device: the decode stage replays captured graphs
+    huge_pages: bool = False  # device.huge_pages on a CPU device: the decode stage packs the weights into huge pages
 
 
 def allocate_kv_cache(

@@ -13,6 +13,7 @@ from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.moe import fused_dispatch
 from litellm_pipeline.model.layers import REFERENCE_OPS, Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
+from litellm_pipeline.model.weight_arena import pack_weights
 from litellm_pipeline.model.rope import RotaryEmbedding
 
 
@@ -61,8 +62,12 @@ class CausalLM(nn.Module):
         self.fused_decode_layers: Callable | None = None  # the ops' decode_layers, when bound (see bind)
         self.decode_weights: dict | None = None
 
-    def bind(self, attn_fn: Callable, dispatch_fn: Callable, ops: object | None = None) -> None:
-        """Swap the attention / MoE dispatch / layer ops implementations of every layer (once, at build time)."""
+    def bind(self, attn_fn: Callable, dispatch_fn: Callable, ops: object | None = None, huge_pages: bool = False) -> None:
+        """Swap the attention / MoE dispatch / layer ops implementations of every layer (once, at build time).
+
+        ``huge_pages``: then move the (final) CPU weights into transparent huge pages (``weight_arena``); ops that
+        key state by a weight's address get ``weights_moved(model)`` afterwards.
+        """
         for layer in self.layers:
             layer.self_attn.attn_fn = attn_fn
             if layer.is_moe:
@@ -75,6 +80,10 @@ class CausalLM(nn.Module):
             for m in self.modules():
                 if m is not self and hasattr(m, "ops"):
                     m.ops = ops
+        if huge_pages and getattr(self, "expert_offload", None) is None and pack_weights(self):
+            moved = getattr(self.ops, "weights_moved", None)
+            if moved is not None:
+                moved(self)
         # a fused decode step runs the paged attention kernel inside it, so it stands in for cpu_paged only
         fused = getattr(self.ops, "decode_attention", None) if attn_fn is cpu_paged_attention else None
         for layer in self.layers:

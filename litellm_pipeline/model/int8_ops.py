@@ -5,7 +5,9 @@ Select with ``pipeline.stages.decode.params.layer_ops=cpu_int8``. When the decod
 
 * attention ``qkv_proj`` and ``o_proj``, dense MLP ``gate_up_proj`` / ``down_proj``, MoE experts ``w13`` / ``w2``
   (one scale per row of each expert) and shared experts;
-* not the embeddings, the LM head, the router ``gate``, the shared-expert gate, norms or biases.
+* the LM head only with ``lm_head=True`` (``pipeline.stages.decode.params.layer_ops_params={lm_head: true}``;
+  with tied embeddings the head gets its own int8 copy and the embedding lookup keeps the float table);
+* never the embeddings, the router ``gate``, the shared-expert gate, norms or biases.
 
 Quantization is symmetric per output channel: ``scale = max|w_row| / 127``, ``q = round(w / scale)`` clamped to
 [-127, 127] and stored as int8 (a quarter of float32's bytes, half of bfloat16's), so ``|w - q * scale| <=
@@ -92,8 +94,9 @@ class Int8LayerOps(CpuFusedLayerOps):
     moe_experts = None
     residual_mlp = TorchLayerOps.residual_mlp  # h + mlp(x): the MLP's projections come through self.linear
 
-    def __init__(self, deterministic: bool = False):
+    def __init__(self, deterministic: bool = False, lm_head: bool = False):
         super().__init__(deterministic)
+        self.lm_head = bool(lm_head)
         self._scales: dict[tuple, torch.Tensor] = {}
         self._int8_linear = None
         if self._ok:
@@ -133,6 +136,29 @@ class Int8LayerOps(CpuFusedLayerOps):
                     elif name not in scales:
                         raise ValueError(f"{type(m).__name__}.{name} is int8 but has no scales (quantized elsewhere?)")
                     self._register(getattr(m, name), scales[name])
+            head = model.lm_head
+            if self.lm_head or (head is not None and head.dtype == torch.int8):  # a later bind reads it as int8 too
+                self._prepare_head(model)
+
+    def _prepare_head(self, model) -> None:
+        """The LM head as int8 (its own copy when tied to the embeddings, which keep the float table)."""
+        scales = model.__dict__.setdefault("int8_scales", {})
+        head = model.lm_head
+        if head is None or head.dtype != torch.int8:
+            q, scale = self._quantize(model.embed_tokens if head is None else head)
+            if head is None:
+                del model.lm_head  # a plain None attribute for a tied model: becomes a parameter of its own
+            model.lm_head = nn.Parameter(q, requires_grad=False)
+            scales["lm_head"] = scale
+        elif "lm_head" not in scales:
+            raise ValueError("the LM head is int8 but has no scales (quantized elsewhere?)")
+        self._register(model.lm_head, scales["lm_head"])
+
+    def weights_moved(self, model) -> None:
+        """The weights moved (``CausalLM.bind`` packed them into huge pages): register the scales at the new
+        addresses (the stale ones could name a later tensor at a reused address)."""
+        self._scales.clear()
+        self.prepare_weights(model)
 
     @staticmethod
     def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

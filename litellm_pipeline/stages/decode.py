@@ -25,16 +25,20 @@ class Decode(Stage):
     inputs = ("schedule", "kv_layout", "prefill_batch", "route_plan")
     outputs = ("logits", "sample_requests")
 
-    def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch"):
+    def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch",
+                 layer_ops_params: dict | None = None):
         super().__init__(rt)
         self.batch_invariant = rt.deterministic
         ops_cls = registry.get("layer_ops", layer_ops)
+        params = dict(layer_ops_params or {})
+        _check_ops_params(layer_ops, ops_cls, params)
         if rt.deterministic:
             _check_invariant(rt, attention, layer_ops, ops_cls)
-            ops = ops_cls(deterministic=True)
+            ops = ops_cls(deterministic=True, **params)
         else:
-            ops = ops_cls()
-        rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch), ops)
+            ops = ops_cls(**params)
+        rt.model.bind(registry.get("attention", attention), registry.get("moe_dispatch", moe_dispatch), ops,
+                      huge_pages=rt.huge_pages)
         # decode-only steps through captured CUDA graphs (device.cuda_graphs on a GPU; see model/cuda_graphs.py)
         self.graphs = decode_graphs(rt, CudaGraphBackend(rt.device)) if rt.cuda_graphs else None
 
@@ -79,6 +83,24 @@ class Decode(Stage):
                 reqs.append(req)
         ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
         ctx.sample_requests = reqs
+
+
+def _check_ops_params(layer_ops: str, ops_cls, params: dict) -> None:
+    """``layer_ops_params`` must name parameters the layer ops' constructor takes (``deterministic`` is the
+    engine's to set)."""
+    if "deterministic" in params:
+        raise ValueError("pipeline.stages.decode.params.layer_ops_params: 'deterministic' is set by engine.deterministic")
+    if not params:
+        return
+    try:
+        inspect.signature(ops_cls).bind(**params)
+    except TypeError as exc:
+        sig = inspect.signature(ops_cls)
+        takes = [n for n in sig.parameters if n != "deterministic"]
+        raise ValueError(
+            f"pipeline.stages.decode.params.layer_ops_params {sorted(params)}: layer_ops {layer_ops!r} takes "
+            f"{takes or 'no parameters'} ({exc})"
+        ) from None
 
 
 def _check_invariant(rt, attention: str, layer_ops: str, ops_cls) -> None:

@@ -19,6 +19,7 @@ from litellm_pipeline.bench.settings import bench_settings
 from litellm_pipeline.bench.workload import FIRST_BYTE_ID, LAST_BYTE_ID, make_workload, percentile
 from litellm_pipeline.bench.checkpoints import random_weights
 from litellm_pipeline.errors import ConfigError
+import torch
 
 TINY = [
     "bench.dtypes=[float32]",
@@ -128,6 +129,47 @@ def test_batch1_bandwidth_fraction_uses_the_adjacent_measurement_for_the_target(
     assert "batch1_bandwidth_pct 50.00 (>= 70: MISSED by 29%)" in report.target_lines([row])[0]
 
 
+def test_int8_bytes_per_token_equal_the_quantized_model(tmp_path):
+    """The int8 roofline counts what the cpu_int8 model holds: int8 projections (and head) plus float32 scales,
+    the rest in the activation dtype; float precisions count every active weight at their width."""
+    from litellm_pipeline.bench import report
+    from litellm_pipeline.bench.checkpoints import write_random_checkpoint
+    from litellm_pipeline.llm import LLM
+
+    _, cfg = resolve_model("tiny_llama")
+    params = param_counts(cfg)
+    path = write_random_checkpoint(tmp_path / "ckpt", cfg, 0)
+    for head in (True, False):
+        llm = LLM(model=str(path), overrides=["device.threads=1", "pipeline.stages.decode.params.layer_ops=cpu_int8",
+                                               f"pipeline.stages.decode.params.layer_ops_params={{lm_head: {str(head).lower()}}}"])
+        model = llm.engine.rt.model
+        held = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens")
+        scales = sum(t.numel() * t.element_size() for m in model.modules() for t in m.__dict__.get("int8_scales", {}).values())
+        assert (model.lm_head.dtype == torch.int8) is head
+        assert report.weight_bytes_per_token(params, "int8", "float32", head) == held + scales
+    assert report.weight_bytes_per_token(params, "bfloat16") == 2 * params["active_per_token"]
+    assert report.weight_bytes_per_token(params, "float32") == 4 * params["active_per_token"]
+
+
+def test_precision_table_compares_each_precision_with_float32():
+    from litellm_pipeline.bench import report
+
+    def row(dtype, mixed, b1, **extra):
+        return {"model": "m", "dtype": dtype, "engine": {"output_tok_s": mixed}, "batch1": {"tok_s": b1},
+                "roofline": {"weight_bytes_per_token": 2**20, "batch1_bandwidth_pct": 50.0}, **extra}
+
+    rows = [row("float32", 10.0, 20.0), row("bfloat16", 15.0, 30.0),
+            row("int8", 12.0, 50.0, compute_dtype="float32", int8_lm_head=True)]
+    table = "\n".join(report.precision_table(rows))
+    lines = table.splitlines()
+    assert "precisions side by side" in table
+    bf16 = next(line for line in lines if " bfloat16 " in line)
+    assert bf16.split()[3:7] == ["15.0", "1.50", "30.0", "1.50"]
+    int8 = next(line for line in lines if "int8 (float32 act, int8 head)" in line)
+    assert "2.50" in int8.split() and "1.20" in int8.split()
+    assert report.precision_table(rows[:1]) == []  # one precision: nothing to compare
+
+
 def test_peer_is_reported_unavailable_without_transformers(monkeypatch, tmp_path):
     from litellm_pipeline.bench import peer
 
@@ -206,6 +248,22 @@ def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
     assert every["misses"] == 0 and every["hit_rate"] == 1 and every["miss_cost_ms"] is None
     assert every["device_expert_mb"] == pytest.approx(4 * one["device_expert_mb"])
     assert "expert offload (moe.hot_experts)" in data["_stdout"]
+
+
+@pytest.mark.slow
+def test_tiny_bench_int8_precision_beside_float32(tmp_path):
+    tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32,int8]", *tiny)
+    fp, q8 = data["results"]
+    assert (fp["dtype"], q8["dtype"]) == ("float32", "int8")
+    assert q8["compute_dtype"] == "float32" and q8["int8_lm_head"] is True
+    assert q8["engine"]["output_tokens"] == fp["engine"]["output_tokens"] and _positive(q8["batch1"]["tok_s"])
+    assert fp["peer_batched"] is not None or fp.get("peer_error")  # the float row keeps its peer
+    assert q8["peer_batched"] is None and q8["peer_batch1"] is None  # no int8 peer: not compared
+    # int8 reads about a quarter of float32's bytes (tiny_llama: norms and scales keep it above a quarter)
+    ratio = q8["roofline"]["weight_bytes_per_token"] / fp["roofline"]["weight_bytes_per_token"]
+    assert 0.25 < ratio < 0.3
+    assert "precisions side by side" in data["_stdout"] and "int8 (float32 act, int8 head)" in data["_stdout"]
 
 
 def test_unknown_bench_key_fails_before_any_work(tmp_path):
