@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from litellm_pipeline.bench import engine_runs, peer, report
+from litellm_pipeline.bench import engine_runs, llamacpp, peer, report
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
 from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
@@ -75,6 +75,8 @@ def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
     per_run += len(s.offload)
     if s.peer:
         per_run += 2 + s.num_requests + n_single
+    if s.llamacpp:
+        per_run += 1 + s.num_requests
     return 1 + n_models + n_models * len(s.dtypes) * per_run
 
 
@@ -120,6 +122,9 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         mark("expert offload")
     else:
         bar.update(len(s.offload))
+    row["llamacpp"] = None
+    if s.llamacpp:
+        _measure_llamacpp(row, path, s, items, b1, bar, mark, tag)
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
         bar.update(2 + s.num_requests + len(single_items))
@@ -146,6 +151,22 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         del model
         gc.collect()
     return row
+
+
+def _measure_llamacpp(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
+    why = llamacpp.unavailable()
+    if why:
+        row["llamacpp_error"] = why
+        bar.update(1 + s.num_requests)
+        return
+    bar.set_description(f"{tag}: llama.cpp")
+    try:
+        row["llamacpp"] = llamacpp.measure(path, row["dtype"], items, b1, s.batch1_repeats, torch.get_num_threads(),
+                                           path.parent, on_request=bar.update)
+    except Exception as exc:  # a peer that fails is reported; the engine's numbers still count
+        row["llamacpp_error"] = f"llama.cpp peer failed: {type(exc).__name__}: {exc}"
+    bar.update()
+    mark("llama.cpp")
 
 
 def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:
@@ -251,6 +272,8 @@ def run_bench(cfg: Any) -> dict:
                 report.derive(row, result["roofline"])
                 if row.get("peer_error"):
                     result["peer_error"] = row["peer_error"]
+                if row.get("llamacpp_error"):
+                    result["llamacpp_error"] = row["llamacpp_error"]
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result

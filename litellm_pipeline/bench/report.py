@@ -139,6 +139,32 @@ def precision_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
                 ["model", "precision", "MB/token", "mixed tok/s", "x fp32", "b1 tok/s", "x fp32", "%BW"], t)]
 
 
+# issue 15's goals against llama.cpp's closest format, same run: batch-1 and the mixed load
+LLAMACPP_GOALS = {"batch1": 1.0, "mixed": 1.3}
+
+
+def llamacpp_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
+    """The engine against llama.cpp on the same checkpoint and precision (rows that measured it)."""
+    got = [r for r in rows if r.get("llamacpp")]
+    if not got:
+        return []
+    t = []
+    for r in got:
+        lc = r["llamacpp"]
+        b1, mixed = r["batch1"]["tok_s"], r["engine"]["output_tok_s"]
+        xb, xm = _ratio(b1, lc["batch1_tok_s"]), _ratio(mixed, lc["output_tok_s"])
+        verdict = "; ".join(f"{k} {'ok' if v is not None and v >= LLAMACPP_GOALS[k] else 'MISSED'}"
+                            for k, v in (("batch1", xb), ("mixed", xm)))
+        t.append([label(r), _precision_name(r), lc["format"], _f(b1), _f(lc["batch1_tok_s"]), _f(xb, ".2f"),
+                  _f(mixed), _f(lc["output_tok_s"]), _f(xm, ".2f"), verdict])
+    version = got[0]["llamacpp"].get("version")
+    return ["", f"llama.cpp (llama-cpp-python {version}) on the same checkpoint as GGUF, same threads; its mixed "
+            "load runs one request at a time (llama-cpp-python has no continuous batching; llama.cpp's server "
+            f"would do better); goals: batch-1 >= {LLAMACPP_GOALS['batch1']}x, mixed >= {LLAMACPP_GOALS['mixed']}x",
+            _table(["model", "precision", "gguf", "b1 tok/s", "llama.cpp b1", "x", "mixed tok/s", "llama.cpp 1by1",
+                    "x", "goals"], t)]
+
+
 def render(result: dict) -> str:
     rows, roof, m = result["results"], result["roofline"], result["machine"]
     bw = roof["bandwidth_gbs"]
@@ -201,11 +227,14 @@ def render(result: dict) -> str:
                 "(resident or prefetched in time); miss cost = slowdown per token / misses per token", _table(
                     ["model", "dtype", "hot", "expert MB", "all b1 tok/s", "b1 tok/s", "hit %", "miss/tok",
                      "prefetch %", "ms/miss"], t4)]
+    out += llamacpp_table(rows, label)
     targets = target_lines(rows)
     if targets:
         out += ["", "issue-3 targets (float32):", *targets]
     if result.get("peer_error"):
         out.append(f"peer: {result['peer_error']}")
+    if result.get("llamacpp_error"):
+        out.append(result["llamacpp_error"])
     busy = result.get("busy_phases") or []
     if busy:
         worst = max(busy, key=lambda p: p["other_cores"])

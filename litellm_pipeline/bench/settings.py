@@ -33,6 +33,8 @@ class BenchSettings(_Section):
     seed: int = 0
     model_seed: int = 0  # seed of the random weights
     peer: bool = True  # also measure transformers.generate
+    # also measure llama.cpp on the same checkpoint as GGUF (needs llama-cpp-python and gguf; bench/llamacpp.py)
+    llamacpp: bool = False
     peer_batch_size: int = Field(default=8, ge=1)
     peer_single_max_requests: int | None = Field(default=None, ge=1)  # one-at-a-time: first N requests (null: all)
     prefix_len: int = Field(default=1024, ge=0)  # 0: skip the prefix-hit measurement

@@ -266,8 +266,86 @@ def test_tiny_bench_int8_precision_beside_float32(tmp_path):
     assert "precisions side by side" in data["_stdout"] and "int8 (float32 act, int8 head)" in data["_stdout"]
 
 
+@pytest.mark.slow
+def test_tiny_bench_with_the_llamacpp_peer_runs_it_or_says_why_not(tmp_path):
+    """Without llama-cpp-python (the CI machine) the run completes and names what is missing; with it, the peer's
+    numbers and ratios are in the row and the table."""
+    tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[int8]", "bench.peer=false",
+                         "bench.llamacpp=true", *tiny)
+    (row,) = data["results"]
+    if row["llamacpp"] is None:
+        assert "not installed" in row["llamacpp_error"] and row["llamacpp_error"] in data["_stdout"]
+    else:
+        lc = row["llamacpp"]
+        assert lc["format"] == "Q8_0" and lc["requests"] == 4 and lc["output_tokens"] == row["engine"]["output_tokens"]
+        assert _positive(lc["batch1_tok_s"]) and _positive(lc["output_tok_s"])
+        assert "llama.cpp (llama-cpp-python" in data["_stdout"]
+
+
 def test_unknown_bench_key_fails_before_any_work(tmp_path):
     cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=bench", "+bench.nope=1", f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "bench.nope: unknown key" in proc.stderr
     assert not (tmp_path / "run" / "bench.json").exists()
+
+
+# --- the llama.cpp peer ---------------------------------------------------------------------------------
+
+
+def test_llamacpp_peer_is_reported_unavailable_without_its_packages(monkeypatch):
+    from litellm_pipeline.bench import llamacpp
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    why = llamacpp.unavailable()
+    assert why and "llama-cpp-python is not installed" in why
+
+
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_mixtral"])
+@pytest.mark.parametrize("precision", ["float32", "float16", "int8"])
+def test_gguf_written_for_the_llamacpp_peer_holds_the_checkpoint(tmp_path, name, precision):
+    """Read back with gguf's own reader: llama.cpp's tensor names and shapes, the format of the precision, the
+    values (Q8_0 within half a block step), Q/K rows in llama.cpp's rotary order, stacked Mixtral experts."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from litellm_pipeline.bench import llamacpp
+    from litellm_pipeline.bench.checkpoints import write_random_checkpoint
+
+    _, cfg = resolve_model(name)
+    ckpt = write_random_checkpoint(tmp_path / name, cfg, 0)
+    out = llamacpp.write_gguf(ckpt, tmp_path / "m.gguf", precision)
+    reader = gguf.GGUFReader(str(out))
+    tensors = {t.name: t for t in reader.tensors}
+    sd = load_file(str(ckpt / "model.safetensors"))
+    layers, experts = cfg["num_hidden_layers"], cfg.get("num_local_experts", 0)
+    per_layer = 9 + (1 if experts else 0)  # 2 norms, q k v o, gate/up/down (dense) or the router and 3 stacks (MoE)
+    assert len(tensors) == 3 + layers * per_layer
+    want = {"float32": "F32", "float16": "F16", "int8": "Q8_0"}[precision]
+
+    def values(t) -> np.ndarray:
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
+
+    def close(a: np.ndarray, b: torch.Tensor) -> None:
+        b = b.float().numpy()
+        assert a.shape == b.shape
+        tol = {"float32": 0.0, "float16": 1e-3 * np.abs(b).max(), "int8": np.abs(b).max() / 127}[precision]
+        assert np.abs(a - b).max() <= tol + 1e-7
+
+    assert tensors["output_norm.weight"].tensor_type.name == "F32"
+    for key, ours in (("token_embd.weight", "model.embed_tokens.weight"), ("output.weight", "lm_head.weight"),
+                      ("blk.0.attn_v.weight", "model.layers.0.self_attn.v_proj.weight")):
+        assert tensors[key].tensor_type.name == want
+        close(values(tensors[key]), sd[ours])
+    q = values(tensors["blk.1.attn_q.weight"])  # llama.cpp's pair order: rows (head, pair, half) of HF's
+    nh, hd = cfg["num_attention_heads"], cfg["head_dim"]
+    hf_q = sd["model.layers.1.self_attn.q_proj.weight"].reshape(nh, 2, hd // 2, -1).transpose(1, 2).reshape(nh * hd, -1)
+    close(q, hf_q)
+    if experts:
+        up = values(tensors["blk.0.ffn_up_exps.weight"])
+        assert up.shape[0] == experts
+        close(up[1], sd["model.layers.0.block_sparse_moe.experts.1.w3.weight"])
+        assert reader.fields["llama.expert_count"].parts[-1][0] == experts
+    else:
+        close(values(tensors["blk.0.ffn_down.weight"]), sd["model.layers.0.mlp.down_proj.weight"])

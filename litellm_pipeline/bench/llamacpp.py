@@ -1,0 +1,182 @@
+"""The optional llama.cpp peer (``bench.llamacpp=true``): the same checkpoint as GGUF through ``llama-cpp-python``.
+
+Needs ``llama-cpp-python`` (it compiles llama.cpp for a long time, so it is never installed by the project or in
+CI) and the ``gguf`` package; without them the peer is reported as unavailable, never an error.
+
+Precisions map to llama.cpp's closest formats: float32 -> F32, bfloat16 -> BF16, float16 -> F16, int8 -> Q8_0
+(blocks of 32 weights with one float16 scale: every 2-D weight, the embeddings and the output head included, as
+llama.cpp's own Q8_0 files). Norms stay F32. The GGUF is written from the bench checkpoint's safetensors (Llama
+layout, Mixtral experts stacked per layer as llama.cpp expects; Q/K rows permuted for llama.cpp's rotary
+convention, so the model computes what the checkpoint computes) with a placeholder vocabulary: prompts are
+token ids, never text.
+
+What is measured: batch-1 decode (the same prompt and length as the engine's batch-1 row; tokens/s after the
+first token, best of N) and the mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence;
+llama.cpp's server batches continuously, which this does not measure, so the mixed figure understates it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0"}
+
+
+def unavailable() -> str | None:
+    """Why the peer cannot run here, or None when it can."""
+    for mod, what in (("llama_cpp", "llama-cpp-python"), ("gguf", "gguf")):
+        try:
+            __import__(mod)
+        except ImportError:
+            return f"llama.cpp peer: {what} is not installed (pip install {what}; llama-cpp-python compiles llama.cpp)"
+    return None
+
+
+def version() -> str | None:
+    try:
+        import llama_cpp
+
+        return getattr(llama_cpp, "__version__", "?")
+    except ImportError:
+        return None
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotate-half Q/K rows -> llama.cpp's interleaved-pair order (as llama.cpp's converter does)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(ckpt: Path, out: Path, precision: str) -> Path:
+    """The checkpoint at ``ckpt`` (config.json + model.safetensors of a Llama / Mixtral) as a GGUF file."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    sd = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    h, layers, nh = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    nkv = cfg.get("num_key_value_heads", nh)
+    hd = cfg.get("head_dim") or h // nh
+    experts = cfg.get("num_local_experts", 0)
+    qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[precision])
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(ckpt.name)
+    w.add_context_length(cfg.get("max_position_embeddings", 2048))
+    w.add_embedding_length(h)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(nh)
+    w.add_head_count_kv(nkv)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-5)))
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}[GGUF_TYPES[precision]])
+    vocab = cfg["vocab_size"]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"t{i}" for i in range(259, vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
+    w.add_bos_token_id(cfg.get("bos_token_id", 1) or 0)
+    w.add_eos_token_id(cfg.get("eos_token_id", 2) or 0)
+
+    def put(name: str, t: torch.Tensor, matrix: bool = True) -> None:
+        a = t.float().numpy()
+        if not matrix or qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(a, qtype), raw_shape=gguf.quant_shape_to_byte_shape(a.shape, qtype),
+                         raw_dtype=qtype)
+
+    put("token_embd.weight", sd["model.embed_tokens.weight"])
+    put("output_norm.weight", sd["model.norm.weight"], matrix=False)
+    put("output.weight", sd.get("lm_head.weight", sd["model.embed_tokens.weight"]))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"], matrix=False)
+        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"], matrix=False)
+        put(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], nh))
+        put(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], nkv))
+        put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if experts:
+            e = p + "block_sparse_moe."
+            put(f"blk.{i}.ffn_gate_inp.weight", sd[e + "gate.weight"], matrix=False)
+            for ours, theirs in (("w1", "gate"), ("w3", "up"), ("w2", "down")):
+                stacked = torch.stack([sd[f"{e}experts.{j}.{ours}.weight"] for j in range(experts)])
+                put(f"blk.{i}.ffn_{theirs}_exps.weight", stacked)
+        else:
+            for ours, theirs in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
+                put(f"blk.{i}.ffn_{theirs}.weight", sd[p + f"mlp.{ours}.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+class Peer:
+    """One GGUF loaded in ``llama_cpp.Llama`` with ``threads`` threads."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+
+    def generate(self, prompt: Sequence[int], n: int) -> tuple[float, float, int]:
+        """Greedy ``n`` tokens after ``prompt`` (ids); ``(ttft_s, decode_s after the first token, tokens)``."""
+        self.llm.reset()
+        t0 = time.perf_counter()
+        first = last = None
+        count = 0
+        for _ in self.llm.generate(list(prompt), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                   reset=True):
+            now = time.perf_counter()
+            first = now if first is None else first
+            last = now
+            count += 1
+            if count >= n:
+                break
+        return first - t0, last - first, count
+
+
+def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path,
+            on_request: Callable[[], None] | None = None) -> dict:
+    """Batch-1 decode and the mixed workload one at a time through llama.cpp (see the module doc)."""
+    gguf_path = workdir / f"{path.name}-{GGUF_TYPES[precision]}.gguf"
+    if not gguf_path.exists():
+        write_gguf(path, gguf_path.with_suffix(".tmp"), precision).rename(gguf_path)
+    need = max(len(it.prompt_ids) + it.output_len for it in [*items, b1]) + 8
+    peer = Peer(gguf_path, threads, need)
+    peer.generate(b1.prompt_ids[:8], 4)  # warm up
+    best = float("inf")
+    for _ in range(repeats):
+        _, dt, n = peer.generate(b1.prompt_ids, b1.output_len)
+        best = min(best, dt / max(n - 1, 1))
+    t0 = time.perf_counter()
+    out_tokens, ttft = 0, []
+    for it in items:
+        t_first, _, n = peer.generate(it.prompt_ids, it.output_len)
+        out_tokens += n
+        ttft.append(t_first)
+        if on_request:
+            on_request()
+    elapsed = time.perf_counter() - t0
+    return {"format": GGUF_TYPES[precision], "gguf_mb": gguf_path.stat().st_size / 2**20, "version": version(),
+            "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, "requests": len(items),
+            "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed,
+            "ttft_ms_p50": sorted(ttft)[len(ttft) // 2] * 1e3}
