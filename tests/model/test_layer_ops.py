@@ -71,6 +71,29 @@ def test_elementwise_ops_match_reference(fused, dtype):
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)  # no rounding differences even in fp32
 
 
+def test_float16_conversions_are_exact_on_every_value(fused):
+    """The kernels' own float16 <-> float32 conversions (vectorisable, cpu_math.h): ``add_rms_norm``'s sum
+    ``x + 0`` rounds every one of the 65536 float16 values (subnormals, infinities, both zeros) through them and
+    must give torch's bits; NaN stays NaN. Then values between float16 neighbours must round to nearest even."""
+    ns = cpu_kernels.ops()
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(256, 256)
+    zero = torch.zeros_like(x)
+    s, _ = ns.add_rms_norm(x, zero, torch.ones(256, dtype=torch.float16), 1e-6)
+    ref = (x.float() + zero.float()).half()
+    nan = ref.isnan()
+    assert torch.equal(s.isnan(), nan)
+    assert torch.equal(s.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+    # float32 sums that fall between float16 values (ties included) and past its range
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(64, 256, generator=g) * torch.logspace(-9, 5, 256)).float()
+    b = torch.randn(64, 256, generator=g) * 1e-3
+    a[0, :4] = torch.tensor([65504.0, 65520.0, 1e6, -1e6])  # largest, the overflow tie, past the range
+    b[0, :4] = 0
+    a16, b16 = a.half(), b.half()
+    s, _ = ns.add_rms_norm(a16, b16, torch.ones(256, dtype=torch.float16), 1e-6)
+    assert torch.equal(s.view(torch.int16), (a16.float() + b16.float()).half().view(torch.int16))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17])
 @pytest.mark.parametrize("out_f,in_f", [(37, 45), (2304, 768), (96, 16), (8, 200)])

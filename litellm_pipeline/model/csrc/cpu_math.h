@@ -10,11 +10,65 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace llp {
 
+inline float f_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline uint32_t f_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
 inline float to_f(float x) { return x; }
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
+// Exact float16 -> float32 in integer and float ops that `omp simd` loops vectorise (c10's conversion is one
+// scalar vcvtph2ps per value where F16C is on, which stops the loop from vectorising): the branch-free
+// algorithm of the FP16 library, bit-identical to vcvtph2ps on all 65536 inputs (NaN payloads included).
+inline float to_f(c10::Half x) {
+  const uint32_t w = static_cast<uint32_t>(x.x) << 16;
+  const uint32_t two_w = w + w;
+  const float normalized = f_from_bits((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  const float denormalized = f_from_bits((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t sub = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones for zeros and subnormals
+  return f_from_bits((w & 0x80000000u) | (f_bits(denormalized) & sub) | (f_bits(normalized) & ~sub));
+}
+// float32 -> float16, round to nearest even, in vectorisable ops (the FP16 library's branch-free algorithm; the
+// same bits as vcvtps2ph / c10's conversion, NaN -> the canonical quiet NaN 0x7E00 with the sign)
+inline c10::Half half_from_f(float f) {
+  const float base0 = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  const uint32_t w = f_bits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
+  const uint32_t bits = f_bits(f_from_bits((bias >> 1) + 0x07800000u) + base0);
+  const uint32_t nonsign = ((bits >> 13) & 0x00007C00u) + (bits & 0x00000FFFu);
+  const uint32_t nan = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);
+  return c10::Half(static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan) | (nonsign & ~nan)), c10::Half::from_bits());
+}
+// float32 -> bfloat16, round to nearest even, NaN -> 0x7FC0: c10's conversion without its branch, so loops
+// that write bfloat16 vectorise
+inline c10::BFloat16 bf16_from_f(float f) {
+  const uint32_t u = f_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = 0u - static_cast<uint32_t>(f != f);
+  return c10::BFloat16(static_cast<uint16_t>((0x7FC0u & nan) | (rounded & ~nan)), c10::BFloat16::from_bits());
+}
+// float -> T rounded to nearest even, the same bits as c10's conversions (NaN payloads aside)
+template <typename T>
+inline T from_f(float x) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return half_from_f(x);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return bf16_from_f(x);
+  } else {
+    return x;
+  }
+}
 inline float to_f(c10::BFloat16 x) {  // exact: a bf16 is the top half of a float32
   uint32_t u = static_cast<uint32_t>(x.x) << 16;
   float f;

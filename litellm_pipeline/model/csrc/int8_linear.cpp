@@ -38,7 +38,7 @@ namespace {
 using llp::to_f;
 
 template <typename T>
-inline T i8_from_f(float x) { return static_cast<T>(x); }  // round to nearest even (c10 conversions)
+inline T i8_from_f(float x) { return llp::from_f<T>(x); }  // round to nearest even
 
 // one output: the float32 sum scaled and biased (one fma) and rounded once to T
 template <typename T>

@@ -68,7 +68,7 @@ using llp::exp_f;
 using llp::to_f;
 
 template <typename T>
-inline T from_f(float x) { return static_cast<T>(x); }  // round to nearest even (c10 conversions)
+inline T from_f(float x) { return llp::from_f<T>(x); }  // round to nearest even
 // the value a T holds after rounding x (identity for float)
 template <typename T>
 inline float rnd(float x) { return to_f(from_f<T>(x)); }

@@ -16,6 +16,9 @@
 #include "cpu_math.h"
 
 #include <algorithm>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -49,6 +52,39 @@ inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t 
 #pragma omp simd
   for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(v[i]);
 }
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// float16 K/V: vcvtph2ps widens 8 values in one instruction (the portable conversion takes about ten per value).
+// 8 lanes of float32 partial sums, then a fixed horizontal sum: a query row's result does not depend on others.
+inline __m256 load8h(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+template <>
+inline float dot<c10::Half, 64>(const float* __restrict q, const c10::Half* __restrict k, int64_t) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t i = 0; i < 64; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8h(k + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), load8h(k + i + 8), a1);
+  }
+  const __m256 a = _mm256_add_ps(a0, a1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+template <>
+inline float dot<c10::Half, 128>(const float* __restrict q, const c10::Half* __restrict k, int64_t) {
+  return dot<c10::Half, 64>(q, k, 64) + dot<c10::Half, 64>(q + 64, k + 64, 64);
+}
+template <>
+inline void axpy<c10::Half, 64>(float* __restrict acc, float p, const c10::Half* __restrict v, int64_t) {
+  const __m256 pv = _mm256_set1_ps(p);
+  for (int64_t i = 0; i < 64; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8h(v + i), _mm256_loadu_ps(acc + i)));
+}
+template <>
+inline void axpy<c10::Half, 128>(float* __restrict acc, float p, const c10::Half* __restrict v, int64_t) {
+  axpy<c10::Half, 64>(acc, p, v, 64);
+  axpy<c10::Half, 64>(acc + 64, p, v + 64, 64);
+}
+#endif
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -134,7 +170,7 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, 
   for (int64_t qi = 0; qi < NQ; ++qi) {
     T* oq = out + (h0 * G + qi) * sh.o_s1;
     const float inv = l[qi] > 0.f ? 1.f / l[qi] : 0.f;  // an empty context gives zeros, not NaN
-    for (int64_t i = 0; i < D; ++i) oq[i] = static_cast<T>(acc[qi * D + i] * inv);
+    for (int64_t i = 0; i < D; ++i) oq[i] = llp::from_f<T>(acc[qi * D + i] * inv);
   }
 }
 
