@@ -233,6 +233,11 @@ class FusedLayerOps(LayerOps, Protocol):
         (e.g. quantize the projections in place; ``model`` is the loaded ``CausalLM``). Their ``linear`` then
         receives the converted tensors."""
 
+    def weights_moved(self, model: Any) -> None:
+        """Called by ``CausalLM.bind`` after it moved the (prepared) weights to new storage (``device.huge_pages``:
+        the same Parameter objects, new addresses, the same values): rebuild any state keyed by a weight's
+        address (``cpu_int8`` re-registers its scales)."""
+
     def decode_attention(self, layer: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> Any:
         """A layer's whole attention half for a decode-only step (only bound with ``cpu_paged`` attention):

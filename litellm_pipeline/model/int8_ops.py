@@ -23,9 +23,9 @@ blocks of rows and use torch's GEMM (same sums, another summation order): measur
 Anything else (float weights, another device, no C++ build) goes to ``cpu_fused`` / the torch reference.
 
 The fused whole-layer C++ paths of ``cpu_fused`` (``decode_attention``, ``decode_layers``, ``moe_experts``,
-``residual_mlp``) read the weights as float, so they are switched off here; the model then runs op by op and
-every projection comes through ``linear``. Expert offload (``moe.hot_experts``) copies float expert weights
-between devices and is refused.
+``residual_mlp``) take the int8 weights with their scales (``weight_scale``) and run the same two paths in C++
+(the kernel up to ``INT8_KERNEL_MAX_ROWS`` rows, else widened + GEMM), so a decode step is one C++ call as with
+float weights. Expert offload (``moe.hot_experts``) copies float expert weights between devices and is refused.
 
 Accuracy: the demo model's greedy tokens and logprobs drift from the float32 run by the quantization error; see
 ``tests/model/test_int8_ops.py`` for the measured bounds.
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from litellm_pipeline.model.layer_ops import CpuFusedLayerOps, TorchLayerOps
+from litellm_pipeline.model.layer_ops import CpuFusedLayerOps
 from litellm_pipeline.registry import register
 
 QMAX = 127
@@ -87,12 +87,6 @@ class Int8LayerOps(CpuFusedLayerOps):
     ``deterministic=True`` runs every int8 ``linear`` through the kernel (a row's result is the same in any batch;
     the kernel is per-row, so it is batch-invariant at any row count).
     """
-
-    # whole-layer C++ paths that would read the int8 weights as float: off, the model runs op by op
-    decode_attention = None
-    decode_layers = None
-    moe_experts = None
-    residual_mlp = TorchLayerOps.residual_mlp  # h + mlp(x): the MLP's projections come through self.linear
 
     def __init__(self, deterministic: bool = False, lm_head: bool = False):
         super().__init__(deterministic)
@@ -172,11 +166,13 @@ class Int8LayerOps(CpuFusedLayerOps):
         return q, scale
 
     def _register(self, q: torch.Tensor, scale: torch.Tensor) -> None:
-        if q.dim() == 2:
-            self._scales[_key(q)] = scale
-        else:  # [E, O, K] experts: the dispatch passes each expert's [O, K] slice
+        self._scales[_key(q)] = scale
+        if q.dim() == 3:  # [E, O, K] experts: the packed dispatch passes each expert's [O, K] slice
             for e in range(q.shape[0]):
                 self._scales[_key(q[e])] = scale[e]
+
+    def weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        return self._scales.get(_key(w)) if w.dtype == torch.int8 else None
 
     def scale_of(self, w: torch.Tensor) -> torch.Tensor:
         """The float32 [O] scales of a quantized weight (or expert slice) this instance prepared."""

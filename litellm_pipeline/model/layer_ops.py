@@ -159,6 +159,14 @@ class CpuFusedLayerOps(TorchLayerOps):
     def _fits(self, x: torch.Tensor) -> bool:
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
 
+    def weight_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """The float32 per-row scales of a quantized weight these ops hold (``cpu_int8``); None for float weights."""
+        return None
+
+    def _takes(self, w: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether the C++ kernels take weight ``w`` with activations ``x``: the same dtype, or int8 with scales."""
+        return w.dtype == x.dtype or (w.dtype == torch.int8 and self.weight_scale(w) is not None)
+
     def linear(self, x, w, bias=None):
         limit = self.max_rows.get(x.dtype, 0)
         if (
@@ -200,13 +208,15 @@ class CpuFusedLayerOps(TorchLayerOps):
 
     def moe_experts(self, x, expert_idx, expert_w, w13, w2):
         """All experts of a MoE block in one C++ call (see ``moe_dispatch: fused``); None where it does not apply."""
-        if self._fits(x) and w13.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous():
-            return self._moe_experts(x, expert_idx, expert_w, w13, w2, self.max_rows.get(x.dtype, 0))
+        if self._fits(x) and self._takes(w13, x) and w13.is_contiguous() and w2.is_contiguous():
+            return self._moe_experts(x, expert_idx, expert_w, w13, w2, self.max_rows.get(x.dtype, 0),
+                                     self.weight_scale(w13), self.weight_scale(w2))
         return None
 
     def residual_mlp(self, h, x, mlp):
-        if self._fits(x) and h.dtype == x.dtype and mlp.gate_up_proj.dtype == x.dtype:
-            return self._residual_mlp(h, x, mlp.gate_up_proj, mlp.down_proj, self.max_rows.get(x.dtype, 0))
+        if self._fits(x) and h.dtype == x.dtype and self._takes(mlp.gate_up_proj, x):
+            return self._residual_mlp(h, x, mlp.gate_up_proj, mlp.down_proj, self.max_rows.get(x.dtype, 0),
+                                      self.weight_scale(mlp.gate_up_proj), self.weight_scale(mlp.down_proj))
         return super().residual_mlp(h, x, mlp)
 
     def decode_attention(self, layer, h, cos, sin, meta, k_cache, v_cache):
@@ -216,7 +226,8 @@ class CpuFusedLayerOps(TorchLayerOps):
         inputs are outside what the kernels take, and the layer then runs op by op.
         """
         attn = layer.self_attn
-        if not (self._fits(h) and cos.dtype == h.dtype and k_cache.dtype == h.dtype and k_cache.is_contiguous()):
+        if not (self._fits(h) and cos.dtype == h.dtype and k_cache.dtype == h.dtype and k_cache.is_contiguous()
+                and self._takes(attn.qkv_proj, h) and self._takes(attn.o_proj, h)):
             return None
         qn, kn = attn.q_norm, attn.k_norm
         return self._decode_attention_block(
@@ -225,7 +236,7 @@ class CpuFusedLayerOps(TorchLayerOps):
             cos, sin, k_cache, v_cache, meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(),
             meta.decode_ctx_lens, attn.scale, attn.sliding_window or 0, attn.o_proj, attn.o_bias,
             layer.post_attention_layernorm.weight, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            self.max_rows.get(h.dtype, 0),
+            self.max_rows.get(h.dtype, 0), self.weight_scale(attn.qkv_proj), self.weight_scale(attn.o_proj),
         )
 
     def route(self, x, gate, native_k, normalize, plan):
@@ -252,14 +263,34 @@ class CpuFusedLayerOps(TorchLayerOps):
             w["v_caches"] = [v for _, v in kv_caches]
         if not all(k.dtype == h.dtype and k.is_contiguous() for k in w["k_caches"]):
             return None
+        if "scales" not in w:  # int8 weights: their scales per list (empty lists for float weights)
+            w["scales"] = self._scale_lists(w, h)
+        if w["scales"] is None:
+            return None
         moe_ks, top_ks, allowed = _layer_limits(w, plan)
         return self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
             meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens, w["o_w"],
             w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
             w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed,
-            w["moe_normalize"], self.max_rows.get(h.dtype, 0),
+            w["moe_normalize"], self.max_rows.get(h.dtype, 0), *w["scales"],
         )
+
+    def _scale_lists(self, w: dict, h: torch.Tensor) -> list[list[torch.Tensor]] | None:
+        """``[qkv, o, mlp_a, mlp_b]`` scale lists for ``decode_layers``: empty for float weights, one per layer
+        for int8 ones; None when a list mixes them or holds a weight the kernels do not take."""
+        out = []
+        for key in ("qkv_w", "o_w", "mlp_a", "mlp_b"):
+            if not all(self._takes(t, h) for t in w[key]):
+                return None
+            scales = [self.weight_scale(t) for t in w[key]]
+            if all(sc is None for sc in scales):
+                out.append([])
+            elif all(sc is not None for sc in scales):
+                out.append(scales)
+            else:
+                return None
+        return out
 
 
 _NO_LIMIT = torch.empty(0, dtype=torch.long)

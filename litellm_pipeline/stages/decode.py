@@ -9,6 +9,7 @@ postprocess.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 
@@ -30,6 +31,9 @@ class Decode(Stage):
         super().__init__(rt)
         self.batch_invariant = rt.deterministic
         ops_cls = registry.get("layer_ops", layer_ops)
+        if layer_ops_params is not None and not isinstance(layer_ops_params, Mapping):
+            raise ValueError(f"layer_ops_params must be a mapping of the layer ops' constructor arguments, e.g. "
+                             f"{{lm_head: true}} (got {type(layer_ops_params).__name__} {layer_ops_params!r})")
         params = dict(layer_ops_params or {})
         _check_ops_params(layer_ops, ops_cls, params)
         if rt.deterministic:

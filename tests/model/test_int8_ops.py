@@ -150,8 +150,8 @@ def test_demo_model_int8_against_float32(dtype, demo_float32, capsys):
     llm = build_llm([*INT8, f"device.dtype={dtype}"])
     model = llm.engine.rt.model
     assert isinstance(model.ops, Int8LayerOps)
-    # the fused float paths are off: every projection goes through linear
-    assert model.fused_decode_layers is None and all(layer.fused_decode is None for layer in model.layers)
+    # the whole-model decode call takes the int8 weights (with their scales) as it takes float ones
+    assert model.fused_decode_layers is not None and all(layer.fused_decode is not None for layer in model.layers)
     same, drift = _compare(demo_float32, _run(llm))
     with capsys.disabled():
         print(f"\ncpu_int8 {dtype} demo model: {same}/{len(PROMPTS)} prompts with float32's greedy tokens, "
@@ -201,8 +201,46 @@ def test_layer_ops_params_are_checked():
         build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={nope: 1}"])
     with pytest.raises(ConfigError, match=r"'deterministic' is set by engine\.deterministic"):
         build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={deterministic: true}"])
+    with pytest.raises(ConfigError, match=r"layer_ops_params must be a mapping .* \(got int 3\)"):
+        build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params=3"])
     with pytest.raises(ConfigError, match=r"layer_ops 'cpu_fused' takes no parameters"):
         build_llm(["pipeline.stages.decode.params.layer_ops_params={lm_head: true}"])
+
+
+def _op_by_op(llm) -> None:
+    """Switch the fused C++ paths off for this engine: every projection then goes through ``linear``."""
+    from litellm_pipeline.model.layer_ops import TorchLayerOps
+
+    model = llm.engine.rt.model
+    ops = model.ops
+    model.fused_decode_layers = None
+    for layer in model.layers:
+        layer.fused_decode = None
+    ops.moe_experts = lambda *args: None
+    ops.residual_mlp = lambda h, x, mlp: TorchLayerOps.residual_mlp(ops, h, x, mlp)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
+    """The whole-model decode call, the fused attention block, MLP and MoE experts over int8 weights give the
+    bits of the op-by-op path (the same kernels in the same order), on the MoE demo model and a dense checkpoint."""
+    over = [*INT8, HEAD, f"device.dtype={dtype}"]
+    for make in (lambda extra: build_llm(extra),
+                 lambda extra: LLM(model=str(hf_checkpoint("llama")), overrides=["device.threads=1", *extra])):
+        fused, plain = make(over), make(over)
+        _op_by_op(plain)
+        model = fused.engine.rt.model
+        whole, ran = model.fused_decode_layers, []
+
+        def spy(*args):  # the whole-model call must run, not decline
+            out = whole(*args)
+            ran.append(out is not None)
+            return out
+
+        model.fused_decode_layers = spy
+        prompts = PROMPTS[:6] if model.cfg.is_moe else [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
+        assert _run(fused, prompts) == _run(plain, prompts)
+        assert ran and all(ran)
 
 
 def test_weights_are_int8_after_build():

@@ -98,6 +98,10 @@ inline float exp_f(float x) {
   return p * s1 * s2;
 }
 
+// int8_linear.cpp's kernel: (x @ qw^T) * scale (+ bias), for the fused ops of layer_ops.cpp over int8 weights
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias);
+
 // paged_attention.cpp's kernel, for ops that run attention inside a larger fused step
 void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,

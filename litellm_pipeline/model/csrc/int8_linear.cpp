@@ -216,11 +216,6 @@ at::Tensor int8_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
   return y;
 }
 
-// y = (x @ qw^T) * scale (+ bias): the vector kernel where the build has one, else the scalar loop
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias) {
-  return int8_linear_impl(x, qw, scale, bias, false);
-}
 
 // the scalar loop on any build (what CPUs without AVX2 run): the tests compare it with the vector kernel
 at::Tensor int8_linear_scalar(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
@@ -230,6 +225,12 @@ at::Tensor int8_linear_scalar(const at::Tensor& x, const at::Tensor& qw, const a
 
 }  // namespace
 
+// y = (x @ qw^T) * scale (+ bias): the vector kernel where the build has one, else the scalar loop
+at::Tensor llp::int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& bias) {
+  return int8_linear_impl(x, qw, scale, bias, false);
+}
+
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int8_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? bias) -> Tensor");
@@ -237,6 +238,6 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
-  m.impl("int8_linear", &int8_linear);
+  m.impl("int8_linear", &llp::int8_linear);
   m.impl("int8_linear_scalar", &int8_linear_scalar);
 }

@@ -524,8 +524,26 @@ at::Tensor upconvert_linear(const at::Tensor& x, const at::Tensor& w, const c10:
 // max_rows < 0 is the batch-invariant mode: every row gets the arithmetic it gets alone, whatever the other rows
 // are: row_linear computes each output from its own input row only, so it serves any number of rows; without
 // it (another dtype, no AVX-512) every row is its own one-row GEMM.
+// int8 weights (layer_ops cpu_int8) with their float32 [O] scales: the int8 kernel up to kInt8KernelRows rows or
+// at any count in the batch-invariant mode, else the weights widened to float32 and torch's GEMM; the sums scaled
+// and rounded once to x's dtype (int8_ops.py's linear, the same two paths).
+constexpr int64_t kInt8KernelRows = 64;  // int8_ops.INT8_KERNEL_MAX_ROWS
+at::Tensor int8_any(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t max_rows,
+                    const c10::optional<at::Tensor>& bias) {
+  if (max_rows < 0 || x.size(0) <= kInt8KernelRows) return llp::int8_linear(x, w, scale, bias);
+  at::Tensor y = at::linear(x.to(at::kFloat), w.to(at::kFloat));
+  y.mul_(scale);
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type());
+}
+
 at::Tensor linear_any(const at::Tensor& x, const at::Tensor& w, int64_t max_rows,
-                      const c10::optional<at::Tensor>& bias = c10::nullopt) {
+                      const c10::optional<at::Tensor>& bias = c10::nullopt,
+                      const c10::optional<at::Tensor>& w_scale = c10::nullopt) {
+  if (w.scalar_type() == at::kChar) {
+    TORCH_CHECK(w_scale.has_value(), "linear: an int8 weight needs its scales");
+    return int8_any(x, w, *w_scale, max_rows, bias);
+  }
   const auto t = x.scalar_type();
   const bool kernel = LLP_SIMD && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf);
   if (kernel && max_rows < 0) return row_linear(x, w, bias);
@@ -551,7 +569,9 @@ LLP_NO_CONTRACT void add_scaled(T* __restrict o, const T* __restrict y, float g,
 // (experts ascending, tokens in order), each expert runs once on its pack (gate_up, SiLU * up, down), and
 // out[t] += (y * weight) rounds in x's dtype exactly as the torch version's index_put_ accumulation does.
 at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const at::Tensor& w_in,
-                       const at::Tensor& w13, const at::Tensor& w2, int64_t max_rows) {
+                       const at::Tensor& w13, const at::Tensor& w2, int64_t max_rows,
+                       const c10::optional<at::Tensor>& w13_s = c10::nullopt,
+                       const c10::optional<at::Tensor>& w2_s = c10::nullopt) {
   TORCH_CHECK(x_in.dim() == 2 && idx_in.dim() == 2 && w_in.sizes() == idx_in.sizes() && idx_in.size(0) == x_in.size(0),
               "moe_experts: x [T, H], expert_idx and expert_w [T, K] expected");
   TORCH_CHECK(idx_in.scalar_type() == at::kLong, "moe_experts: expert_idx must be int64");
@@ -559,8 +579,10 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
                   w2.size(1) == x_in.size(1) && w13.size(1) == 2 * w2.size(2),
               "moe_experts: w13 [E, 2I, H] and w2 [E, H, I] expected");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "moe_experts: expert weights must be contiguous");
-  TORCH_CHECK(w13.scalar_type() == x_in.scalar_type() && w2.scalar_type() == x_in.scalar_type(),
-              "moe_experts: x and expert weights must share a dtype");
+  const bool q8 = w13.scalar_type() == at::kChar;
+  TORCH_CHECK(q8 ? (w2.scalar_type() == at::kChar && w13_s.has_value() && w2_s.has_value())
+                 : (w13.scalar_type() == x_in.scalar_type() && w2.scalar_type() == x_in.scalar_type()),
+              "moe_experts: x and expert weights must share a dtype (or both be int8 with their scales)");
   const at::Tensor x = x_in.contiguous(), idx = idx_in.contiguous(), wts = w_in.to(at::kFloat).contiguous();
   const int64_t tokens = x.size(0), k = idx.size(1), experts = w13.size(0), hidden = x.size(1);
   const int64_t* ip = idx.data_ptr<int64_t>();
@@ -581,8 +603,10 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
     rows[e] = at::empty({n}, idx.options());
     int64_t* rp = rows[e].data_ptr<int64_t>();
     for (int64_t i = 0; i < n; ++i) rp[i] = sl[i] / k;
-    ys[e] = linear_any(silu_mul(linear_any(x.index_select(0, rows[e]), w13.select(0, e), max_rows)), w2.select(0, e),
-                       max_rows);
+    const auto s13 = q8 ? c10::optional<at::Tensor>(w13_s->select(0, e)) : c10::nullopt;
+    const auto s2 = q8 ? c10::optional<at::Tensor>(w2_s->select(0, e)) : c10::nullopt;
+    ys[e] = linear_any(silu_mul(linear_any(x.index_select(0, rows[e]), w13.select(0, e), max_rows, c10::nullopt, s13)),
+                       w2.select(0, e), max_rows, c10::nullopt, s2);
   };
   if (few_rows(tokens, max_rows) && static_cast<int64_t>(active.size()) >= at::get_num_threads()) {
     // a decode step: whole experts per thread (each streams its own weights), one fork/join for the block
@@ -680,11 +704,12 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& rows,
     const at::Tensor& kv_slots, const at::Tensor& ctx_lens, double scale, int64_t window, const at::Tensor& o_w,
     const c10::optional<at::Tensor>& o_b, const at::Tensor& post_norm_w, int64_t num_heads, int64_t num_kv_heads,
-    int64_t head_dim, int64_t max_rows) {
+    int64_t head_dim, int64_t max_rows, const c10::optional<at::Tensor>& qkv_s = c10::nullopt,
+    const c10::optional<at::Tensor>& o_s = c10::nullopt) {
   TORCH_CHECK(h.dim() == 2, "decode_attention_block: h must be [B, H]");
   const int64_t b = h.size(0);
   const at::Tensor x = rms_norm(h, in_norm_w, eps);
-  const at::Tensor qkv = linear_any(x, qkv_w, max_rows, qkv_b);
+  const at::Tensor qkv = linear_any(x, qkv_w, max_rows, qkv_b, qkv_s);
   const at::Tensor heads = qkv.view({b, num_heads + 2 * num_kv_heads, head_dim});
   at::Tensor q = heads.narrow(1, 0, num_heads), k = heads.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = heads.narrow(1, num_heads + num_kv_heads, num_kv_heads);
@@ -697,14 +722,16 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
   v_cache.index_copy_(0, slot_mapping, v);
   at::Tensor out = at::empty({b, num_heads, head_dim}, h.options());
   llp::run_paged_attention(out, q, k_cache, v_cache, rows, kv_slots, ctx_lens, 1, scale, window);
-  const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows, o_b);
+  const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows, o_b, o_s);
   return add_rms_norm(h, a, post_norm_w, eps);
 }
 
 // h + down(silu(gate) * up)(x): a dense SwiGLU MLP and its residual add in one call.
 at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tensor& gate_up_w, const at::Tensor& down_w,
-                        int64_t max_rows) {
-  return h + linear_any(silu_mul(linear_any(x, gate_up_w, max_rows)), down_w, max_rows);
+                        int64_t max_rows, const c10::optional<at::Tensor>& gate_up_s = c10::nullopt,
+                        const c10::optional<at::Tensor>& down_s = c10::nullopt) {
+  return h + linear_any(silu_mul(linear_any(x, gate_up_w, max_rows, c10::nullopt, gate_up_s)), down_w, max_rows,
+                        c10::nullopt, down_s);
 }
 
 // Every decoder layer of a decode-only step in one call: per layer the attention block above, then the dense MLP
@@ -720,8 +747,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                          at::TensorList mlp_b,
                          at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef moe_ks,
-                         at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize, int64_t max_rows) {
+                         at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize, int64_t max_rows,
+                         at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s, at::TensorList mlp_b_s) {
   const size_t n = in_norm.size();
+  for (size_t len : {qkv_s.size(), o_s.size(), mlp_a_s.size(), mlp_b_s.size()})
+    TORCH_CHECK(len == 0 || len == n, "decode_layers: the int8 scale lists are empty (float weights) or per layer");
+  auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
   for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
                      mlp_b.size(), windows.size()})
     TORCH_CHECK(len == n, "decode_layers: every per-layer list needs one entry per layer");
@@ -740,14 +771,14 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
         q_norm.empty() ? c10::optional<at::Tensor>() : q_norm[i], k_norm.empty() ? c10::optional<at::Tensor>() : k_norm[i],
         qk_eps, cos, sin, k_caches[i], v_caches[i], slot_mapping, rows, kv_slots, ctx_lens, scale, windows[i], o_w[i],
         o_b.empty() ? c10::optional<at::Tensor>() : o_b[i], post_norm[i], num_heads, num_kv_heads, head_dim,
-        max_rows);
+        max_rows, opt(qkv_s, i), opt(o_s, i));
     if (router.empty()) {
-      h = residual_mlp(s, x, mlp_a[i], mlp_b[i], max_rows);
+      h = residual_mlp(s, x, mlp_a[i], mlp_b[i], max_rows, opt(mlp_a_s, i), opt(mlp_b_s, i));
     } else {
       const c10::optional<at::Tensor> top_k = moe_top_k.empty() ? c10::optional<at::Tensor>() : moe_top_k[i];
       const c10::optional<at::Tensor> allowed = moe_allowed.empty() ? c10::optional<at::Tensor>() : moe_allowed[i];
       auto [idx, w] = moe_route(x, router[i], moe_ks[i], moe_normalize, max_rows, top_k, allowed);
-      h = s + moe_experts(x, idx, w, mlp_a[i], mlp_b[i], max_rows);
+      h = s + moe_experts(x, idx, w, mlp_a[i], mlp_b[i], max_rows, opt(mlp_a_s, i), opt(mlp_b_s, i));
     }
   }
   return h;
@@ -771,8 +802,8 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "decode_attention_block(Tensor h, Tensor in_norm_w, float eps, Tensor qkv_w, Tensor? qkv_b, Tensor? q_norm_w, "
       "Tensor? k_norm_w, float qk_eps, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
       "Tensor slot_mapping, Tensor rows, Tensor kv_slots, Tensor ctx_lens, float scale, int window, Tensor o_w, "
-      "Tensor? o_b, Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows) "
-      "-> (Tensor, Tensor)");
+      "Tensor? o_b, Tensor post_norm_w, int num_heads, int num_kv_heads, int head_dim, int max_rows, "
+      "Tensor? qkv_s=None, Tensor? o_s=None) -> (Tensor, Tensor)");
   m.def(
       "moe_route(Tensor x, Tensor gate_w, int k, bool normalize, int max_rows, Tensor? top_k=None, "
       "Tensor? allowed=None) -> (Tensor, Tensor)");
@@ -782,9 +813,12 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "Tensor kv_slots, Tensor ctx_lens, Tensor[] o_w, Tensor[] o_b, Tensor[] post_norm, Tensor[] mlp_a, "
       "Tensor[] mlp_b, "
       "Tensor[] router, int[] windows, float eps, float qk_eps, float scale, int num_heads, int num_kv_heads, "
-      "int head_dim, int[] moe_ks, Tensor[] moe_top_k, Tensor[] moe_allowed, bool moe_normalize, int max_rows) -> Tensor");
-  m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows) -> Tensor");
-  m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows) -> Tensor");
+      "int head_dim, int[] moe_ks, Tensor[] moe_top_k, Tensor[] moe_allowed, bool moe_normalize, int max_rows, "
+      "Tensor[] qkv_s, Tensor[] o_s, Tensor[] mlp_a_s, Tensor[] mlp_b_s) -> Tensor");
+  m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows, Tensor? gate_up_s=None, "
+        "Tensor? down_s=None) -> Tensor");
+  m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows, "
+        "Tensor? w13_s=None, Tensor? w2_s=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
