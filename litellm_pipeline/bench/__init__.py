@@ -161,11 +161,11 @@ def _measure_llamacpp(row: dict, path: Path, s: BenchSettings, items, b1, bar: t
         return
     bar.set_description(f"{tag}: llama.cpp")
     try:
-        row["llamacpp"] = llamacpp.measure(path, row["dtype"], items, b1, s.batch1_repeats, torch.get_num_threads(),
-                                           path.parent, on_request=bar.update)
+        row["llamacpp"] = llamacpp.measure_in_subprocess(path, row["dtype"], items, b1, s.batch1_repeats,
+                                                         torch.get_num_threads(), path.parent)
     except Exception as exc:  # a peer that fails is reported; the engine's numbers still count
         row["llamacpp_error"] = f"llama.cpp peer failed: {type(exc).__name__}: {exc}"
-    bar.update()
+    bar.update(1 + s.num_requests)
     mark("llama.cpp")
 
 

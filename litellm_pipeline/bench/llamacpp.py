@@ -10,7 +10,7 @@ layout, Mixtral experts stacked per layer as llama.cpp expects; Q/K rows permute
 convention, so the model computes what the checkpoint computes) with a placeholder vocabulary: prompts are
 token ids, never text.
 
-What is measured: batch-1 decode (the same prompt and length as the engine's batch-1 row; tokens/s after the
+Each precision's peer runs in a child process (``measure_in_subprocess``). What is measured: batch-1 decode (the same prompt and length as the engine's batch-1 row; tokens/s after the
 first token, best of N) and the mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence;
 llama.cpp's server batches continuously, which this does not measure, so the mixed figure understates it).
 """
@@ -152,6 +152,16 @@ class Peer:
             if count >= n:
                 break
         return first - t0, last - first, count
+
+
+def measure_in_subprocess(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
+    """:func:`measure` in a fresh process: llama.cpp's threads, memory and mappings are gone when it returns, so
+    nothing of it runs beside the engine's next measurements."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(measure, path, precision, items, b1, repeats, threads, workdir).result()
 
 
 def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path,
