@@ -59,10 +59,15 @@ def _cpu_key() -> str | None:
     return hashlib.sha1(repr(sorted(lines.items())).encode()).hexdigest()[:10]
 
 
+# -fno-trapping-math: the default FP environment traps nothing, so the compiler may vectorise what may raise a
+# flag (exp_f's nearbyint, which keeps e.g. silu_mul scalar otherwise); no value changes, no reassociation
+CFLAGS = ("-O3", "-fopenmp", "-DNDEBUG", "-fno-trapping-math")
+
+
 def _source_key() -> str:
-    """A short hash of the kernel sources: a build is reused only by code compiled from the same sources,
-    so two checkouts (or versions) sharing the cache never rebuild over each other."""
-    h = hashlib.sha1()
+    """A short hash of the kernel sources and flags: a build is reused only by code compiled from the same
+    sources, so two checkouts (or versions) sharing the cache never rebuild over each other."""
+    h = hashlib.sha1(repr(CFLAGS).encode())
     for path in (*SOURCES, *HEADERS):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -110,7 +115,7 @@ def build():
             cpp_extension.load(
                 name=name,
                 sources=[str(s) for s in _staged_sources(build_dir)],
-                extra_cflags=["-O3", "-fopenmp", "-DNDEBUG", *arch],
+                extra_cflags=[*CFLAGS, *arch],
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 is_python_module=False,
