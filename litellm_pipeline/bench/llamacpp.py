@@ -10,8 +10,9 @@ layout, Mixtral experts stacked per layer as llama.cpp expects; Q/K rows permute
 convention, so the model computes what the checkpoint computes) with a placeholder vocabulary: prompts are
 token ids, never text.
 
-Each precision's peer runs in a child process (``measure_in_subprocess``). What is measured: batch-1 decode (the same prompt and length as the engine's batch-1 row; tokens/s after the
-first token, best of N) and the mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence;
+Each precision's peer runs in a child process (``measure_in_subprocess``). What is measured: batch-1 decode
+(the same prompt and length as the engine's batch-1 row; tokens/s after the first token, best of N) and the
+mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence;
 llama.cpp's server batches continuously, which this does not measure, so the mixed figure understates it).
 """
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -164,8 +165,7 @@ def measure_in_subprocess(path: Path, precision: str, items, b1, repeats: int, t
         return pool.submit(measure, path, precision, items, b1, repeats, threads, workdir).result()
 
 
-def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path,
-            on_request: Callable[[], None] | None = None) -> dict:
+def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
     """Batch-1 decode and the mixed workload one at a time through llama.cpp (see the module doc)."""
     gguf_path = workdir / f"{path.name}-{GGUF_TYPES[precision]}.gguf"
     if not gguf_path.exists():
@@ -183,8 +183,6 @@ def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, w
         t_first, _, n = peer.generate(it.prompt_ids, it.output_len)
         out_tokens += n
         ttft.append(t_first)
-        if on_request:
-            on_request()
     elapsed = time.perf_counter() - t0
     return {"format": GGUF_TYPES[precision], "gguf_mb": gguf_path.stat().st_size / 2**20, "version": version(),
             "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, "requests": len(items),
