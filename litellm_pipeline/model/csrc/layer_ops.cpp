@@ -203,7 +203,7 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
     }
   };
   int64_t k = 0;
-  if constexpr (sizeof(T) == 2 && MC == 1) {
+  if constexpr (MC == 1) {
     // one input row over 16-bit weights: a cache line of every row per block, and as many lines of the next tile
     // (the R rows after these, contiguous) asked for first in memory order, so it arrives as one sequential
     // stream while this tile computes. A 16-bit row advances at half a float32 row's rate, and R short strided
@@ -211,7 +211,8 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
     // AMD EPYC). Prefetching past the end is harmless; the arithmetic is the same 8-lane steps in the same order.
     for (; k + 32 <= K; k += 32) {
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + R * K + k * R + r * 32), _MM_HINT_T0);
+      for (int i = 0; i < R * 32 * static_cast<int>(sizeof(T)) / 64; ++i)  // the lines this block reads, ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + R * K + k * R + i * (64 / static_cast<int>(sizeof(T)))), _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int j = 0; j < 32; j += 8) step(k + j);
     }
