@@ -77,6 +77,8 @@ def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
         per_run += 2 + s.num_requests + n_single
     if s.llamacpp:
         per_run += 1 + s.num_requests
+    if s.llamacpp_server:
+        per_run += 1
     return 1 + n_models + n_models * len(s.dtypes) * per_run
 
 
@@ -125,6 +127,9 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     row["llamacpp"] = None
     if s.llamacpp:
         _measure_llamacpp(row, path, s, items, b1, bar, mark, tag)
+    row["llamacpp_server"] = None
+    if s.llamacpp_server:
+        _measure_llamacpp_server(row, path, s, items, b1, bar, mark, tag)
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
         bar.update(2 + s.num_requests + len(single_items))
@@ -167,6 +172,23 @@ def _measure_llamacpp(row: dict, path: Path, s: BenchSettings, items, b1, bar: t
         row["llamacpp_error"] = f"llama.cpp peer failed: {type(exc).__name__}: {exc}"
     bar.update(1 + s.num_requests)
     mark("llama.cpp")
+
+
+def _measure_llamacpp_server(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
+    why = llamacpp.server_unavailable(s.llamacpp_server)
+    if why:
+        row["llamacpp_server_error"] = why
+        bar.update()
+        return
+    bar.set_description(f"{tag}: llama-server")
+    try:
+        row["llamacpp_server"] = llamacpp.measure_server(s.llamacpp_server, path, row["dtype"], items, b1,
+                                                         s.batch1_repeats, torch.get_num_threads(),
+                                                         s.llamacpp_server_slots, path.parent)
+    except Exception as exc:  # a peer that fails is reported; the engine's numbers still count
+        row["llamacpp_server_error"] = f"llama-server peer failed: {type(exc).__name__}: {exc}"
+    bar.update()
+    mark("llama-server")
 
 
 def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:
@@ -272,8 +294,9 @@ def run_bench(cfg: Any) -> dict:
                 report.derive(row, result["roofline"])
                 if row.get("peer_error"):
                     result["peer_error"] = row["peer_error"]
-                if row.get("llamacpp_error"):
-                    result["llamacpp_error"] = row["llamacpp_error"]
+                for key in ("llamacpp_error", "llamacpp_server_error"):
+                    if row.get(key):
+                        result[key] = row[key]
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result

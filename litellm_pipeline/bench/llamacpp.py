@@ -12,14 +12,27 @@ token ids, never text.
 
 Each precision's peer runs in a child process (``measure_in_subprocess``). What is measured: batch-1 decode
 (the same prompt and length as the engine's batch-1 row; tokens/s after the first token, best of N) and the
-mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence;
-llama.cpp's server batches continuously, which this does not measure, so the mixed figure understates it).
+mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence, so this understates llama.cpp on a
+mixed load).
+
+``bench.llamacpp_server=PATH`` (a ``llama-server`` binary built from llama.cpp, or a command on PATH) measures the
+mixed load the way llama.cpp serves it: the same GGUF in ``llama-server`` with ``bench.llamacpp_server_slots``
+parallel slots and continuous batching, every request of the workload sent at once over HTTP (``/completion``
+with token-id prompts, greedy, ``ignore_eos``), output tokens over the wall time from the first request to the
+last answer; plus its batch-1 decode speed (one request alone, the server's own decode timing). Needs only the
+binary and ``gguf``, not llama-cpp-python.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+import subprocess
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -165,12 +178,22 @@ def measure_in_subprocess(path: Path, precision: str, items, b1, repeats: int, t
         return pool.submit(measure, path, precision, items, b1, repeats, threads, workdir).result()
 
 
-def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
-    """Batch-1 decode and the mixed workload one at a time through llama.cpp (see the module doc)."""
+def ensure_gguf(path: Path, precision: str, workdir: Path) -> Path:
+    """The checkpoint's GGUF in ``precision``'s format under ``workdir`` (written once, then reused)."""
     gguf_path = workdir / f"{path.name}-{GGUF_TYPES[precision]}.gguf"
     if not gguf_path.exists():
         write_gguf(path, gguf_path.with_suffix(".tmp"), precision).rename(gguf_path)
-    need = max(len(it.prompt_ids) + it.output_len for it in [*items, b1]) + 8
+    return gguf_path
+
+
+def _context_need(items, b1) -> int:
+    return max(len(it.prompt_ids) + it.output_len for it in [*items, b1]) + 8
+
+
+def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
+    """Batch-1 decode and the mixed workload one at a time through llama.cpp (see the module doc)."""
+    gguf_path = ensure_gguf(path, precision, workdir)
+    need = _context_need(items, b1)
     peer = Peer(gguf_path, threads, need)
     peer.generate(b1.prompt_ids[:8], 4)  # warm up
     best = float("inf")
@@ -188,3 +211,117 @@ def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, w
             "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, "requests": len(items),
             "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed,
             "ttft_ms_p50": sorted(ttft)[len(ttft) // 2] * 1e3}
+
+
+# ------------------------------------------------------------------------------------------------ llama-server
+
+
+def server_unavailable(binary: str) -> str | None:
+    """Why the llama-server peer cannot run with ``binary``, or None when it can."""
+    if shutil.which(binary) is None:
+        return (f"llama-server peer: {binary!r} is neither an executable file nor a command on PATH (build llama.cpp's "
+                "llama-server target and pass its path as bench.llamacpp_server)")
+    try:
+        __import__("gguf")
+    except ImportError:
+        return "llama-server peer: gguf is not installed (pip install gguf)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``llama-server`` on one GGUF, on a free local port, for the length of a ``with`` block.
+
+    ``slots`` parallel sequences of ``ctx_per_slot`` tokens each, ``threads`` threads for decode and prompt
+    processing. Its output goes to ``log``; a server that exits or is not healthy within ``startup_s`` raises
+    RuntimeError with the end of that log.
+    """
+
+    def __init__(self, binary: str, gguf_path: Path, threads: int, slots: int, ctx_per_slot: int, log: Path,
+                 startup_s: float = 180.0):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        cmd = [shutil.which(binary) or binary, "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(self.port),
+               "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx_per_slot),
+               "-b", "512", "-ub", "512"]
+        self._log_file = open(log, "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            self._wait_healthy(startup_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _tail(self) -> str:
+        self._log_file.flush()
+        return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-5:])
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with code {self.proc.returncode}: {self._tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"llama-server not healthy after {timeout_s:.0f} s: {self._tail()}")
+
+    def complete(self, prompt: Sequence[int], n: int, timeout_s: float = 600.0) -> dict:
+        """Greedy ``n`` tokens after ``prompt`` (token ids), end-of-sequence ignored: the server's answer."""
+        body = json.dumps({"prompt": [int(t) for t in prompt], "n_predict": int(n), "ignore_eos": True,
+                           "temperature": 0.0, "top_k": 1, "cache_prompt": False, "stream": False}).encode()
+        req = urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise RuntimeError(f"llama-server /completion: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_file.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure_server(binary: str, path: Path, precision: str, items, b1, repeats: int, threads: int, slots: int,
+                   workdir: Path) -> dict:
+    """The mixed workload (all requests at once) and batch-1 decode through ``llama-server`` (see the module doc)."""
+    gguf_path = ensure_gguf(path, precision, workdir)
+    log = workdir / f"llama-server-{path.name}-{GGUF_TYPES[precision]}.log"
+    with Server(binary, gguf_path, threads, slots, _context_need(items, b1), log) as srv:
+        srv.complete(b1.prompt_ids[:8], 4)  # warm up
+        best = 0.0
+        for _ in range(repeats):
+            t = srv.complete(b1.prompt_ids, b1.output_len)["timings"]
+            best = max(best, t["predicted_n"] / (t["predicted_ms"] / 1e3))
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+            answers = list(pool.map(lambda it: srv.complete(it.prompt_ids, it.output_len), items))
+        elapsed = time.perf_counter() - t0
+    out_tokens = sum(int(a["tokens_predicted"]) for a in answers)
+    want = sum(it.output_len for it in items)
+    if out_tokens != want:
+        raise RuntimeError(f"llama-server produced {out_tokens} tokens, the workload asks for {want}")
+    return {"format": GGUF_TYPES[precision], "slots": slots, "batch1_tok_s": best, "requests": len(items),
+            "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed}

@@ -144,25 +144,38 @@ LLAMACPP_GOALS = {"batch1": 1.0, "mixed": 1.3}
 
 
 def llamacpp_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
-    """The engine against llama.cpp on the same checkpoint and precision (rows that measured it)."""
-    got = [r for r in rows if r.get("llamacpp")]
+    """The engine against llama.cpp on the same checkpoint and precision (rows that measured it): llama-cpp-python
+    for batch-1 and the mixed load one request at a time, llama-server for the mixed load with continuous batching.
+    The goals compare batch-1 with llama-cpp-python's (else the server's) and the mixed load with the server's
+    (else one at a time)."""
+    got = [r for r in rows if r.get("llamacpp") or r.get("llamacpp_server")]
     if not got:
         return []
     t = []
     for r in got:
-        lc = r["llamacpp"]
+        lc, sv = r.get("llamacpp") or {}, r.get("llamacpp_server") or {}
         b1, mixed = r["batch1"]["tok_s"], r["engine"]["output_tok_s"]
-        xb, xm = _ratio(b1, lc["batch1_tok_s"]), _ratio(mixed, lc["output_tok_s"])
+        xb, xm1 = _ratio(b1, lc.get("batch1_tok_s")), _ratio(mixed, lc.get("output_tok_s"))
+        xbs, xms = _ratio(b1, sv.get("batch1_tok_s")), _ratio(mixed, sv.get("output_tok_s"))
+        goal = {"batch1": xb if xb is not None else xbs, "mixed": xms if xms is not None else xm1}
         verdict = "; ".join(f"{k} {'ok' if v is not None and v >= LLAMACPP_GOALS[k] else 'MISSED'}"
-                            for k, v in (("batch1", xb), ("mixed", xm)))
-        t.append([label(r), _precision_name(r), lc["format"], _f(b1), _f(lc["batch1_tok_s"]), _f(xb, ".2f"),
-                  _f(mixed), _f(lc["output_tok_s"]), _f(xm, ".2f"), verdict])
-    version = got[0]["llamacpp"].get("version")
-    return ["", f"llama.cpp (llama-cpp-python {version}) on the same checkpoint as GGUF, same threads; its mixed "
-            "load runs one request at a time (llama-cpp-python has no continuous batching; llama.cpp's server "
-            f"would do better); goals: batch-1 >= {LLAMACPP_GOALS['batch1']}x, mixed >= {LLAMACPP_GOALS['mixed']}x",
-            _table(["model", "precision", "gguf", "b1 tok/s", "llama.cpp b1", "x", "mixed tok/s", "llama.cpp 1by1",
-                    "x", "goals"], t)]
+                            for k, v in goal.items())
+        t.append([label(r), _precision_name(r), lc.get("format") or sv.get("format"), _f(b1),
+                  _f(lc.get("batch1_tok_s")), _f(xb, ".2f"), _f(sv.get("batch1_tok_s")), _f(xbs, ".2f"), _f(mixed),
+                  _f(lc.get("output_tok_s")), _f(xm1, ".2f"), _f(sv.get("output_tok_s")), _f(xms, ".2f"), verdict])
+    version = next((r["llamacpp"].get("version") for r in got if r.get("llamacpp")), None)
+    slots = next((r["llamacpp_server"]["slots"] for r in got if r.get("llamacpp_server")), None)
+    what = []
+    if version:
+        what.append(f"llama-cpp-python {version} (b1; 1by1: the mixed load one request at a time, it has no "
+                    "continuous batching)")
+    if slots:
+        what.append(f"llama-server with {slots} slots and continuous batching (srv: the mixed load all at once "
+                    "over HTTP; its b1: one request alone)")
+    return ["", f"llama.cpp on the same checkpoint as GGUF, same threads: {'; '.join(what)}; goals: batch-1 >= "
+            f"{LLAMACPP_GOALS['batch1']}x, mixed >= {LLAMACPP_GOALS['mixed']}x (against srv where measured)",
+            _table(["model", "precision", "gguf", "b1 tok/s", "llama.cpp b1", "x", "srv b1", "x", "mixed tok/s",
+                    "llama.cpp 1by1", "x", "srv mixed", "x", "goals"], t)]
 
 
 def render(result: dict) -> str:
@@ -233,8 +246,9 @@ def render(result: dict) -> str:
         out += ["", "issue-3 targets (float32):", *targets]
     if result.get("peer_error"):
         out.append(f"peer: {result['peer_error']}")
-    if result.get("llamacpp_error"):
-        out.append(result["llamacpp_error"])
+    for key in ("llamacpp_error", "llamacpp_server_error"):
+        if result.get(key):
+            out.append(result[key])
     busy = result.get("busy_phases") or []
     if busy:
         worst = max(busy, key=lambda p: p["other_cores"])

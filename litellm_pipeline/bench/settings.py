@@ -35,6 +35,10 @@ class BenchSettings(_Section):
     peer: bool = True  # also measure transformers.generate
     # also measure llama.cpp on the same checkpoint as GGUF (needs llama-cpp-python and gguf; bench/llamacpp.py)
     llamacpp: bool = False
+    # llama.cpp's llama-server on the same GGUF (mixed load all at once with continuous batching, and batch-1):
+    # the path of a llama-server binary or a command on PATH; None: not measured
+    llamacpp_server: str | None = None
+    llamacpp_server_slots: int = Field(default=8, ge=1)
     peer_batch_size: int = Field(default=8, ge=1)
     peer_single_max_requests: int | None = Field(default=None, ge=1)  # one-at-a-time: first N requests (null: all)
     prefix_len: int = Field(default=1024, ge=0)  # 0: skip the prefix-hit measurement

@@ -280,7 +280,7 @@ def test_tiny_bench_with_the_llamacpp_peer_runs_it_or_says_why_not(tmp_path):
         lc = row["llamacpp"]
         assert lc["format"] == "Q8_0" and lc["requests"] == 4 and lc["output_tokens"] == row["engine"]["output_tokens"]
         assert _positive(lc["batch1_tok_s"]) and _positive(lc["output_tok_s"])
-        assert "llama.cpp (llama-cpp-python" in data["_stdout"]
+        assert "llama.cpp on the same checkpoint as GGUF" in data["_stdout"] and "llama-cpp-python" in data["_stdout"]
 
 
 def test_unknown_bench_key_fails_before_any_work(tmp_path):
@@ -349,3 +349,106 @@ def test_gguf_written_for_the_llamacpp_peer_holds_the_checkpoint(tmp_path, name,
         assert reader.fields["llama.expert_count"].parts[-1][0] == experts
     else:
         close(values(tensors["blk.0.ffn_down.weight"]), sd["model.layers.0.mlp.down_proj.weight"])
+
+
+# --- the llama-server peer (a stand-in binary speaking its HTTP API: the real one is never built here) -------
+
+FAKE_SERVER = r"""#!{python}
+# llama-server's /health and /completion for the bench's peer; records its argv and the most requests in flight
+import json, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+argv = sys.argv[1:]
+opt = lambda k: argv[argv.index(k) + 1]
+mode = {mode!r}
+if mode == "exit":
+    print("error: failed to load model", flush=True)
+    sys.exit(3)
+slots = threading.Semaphore(int(opt("-np")))
+lock = threading.Lock()
+state = {{"now": 0, "max": 0, "requests": []}}
+def record():
+    with open({log!r}, "w") as f:
+        json.dump({{"argv": argv, "max_in_flight": state["max"], "requests": state["requests"]}}, f)
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, code, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404, {{"status": "ok"}})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        ok = (self.path == "/completion" and all(isinstance(t, int) for t in req["prompt"])
+              and req["ignore_eos"] is True and req["temperature"] == 0)
+        if not ok:
+            return self._send(400, {{"error": "bad request"}})
+        with slots:
+            with lock:
+                state["now"] += 1
+                state["max"] = max(state["max"], state["now"])
+                state["requests"].append([len(req["prompt"]), req["n_predict"]])
+            time.sleep(0.3)
+            with lock:
+                state["now"] -= 1
+                record()
+        n = req["n_predict"] - (1 if mode == "short" else 0)
+        self._send(200, {{"content": "", "tokens_predicted": n, "timings": {{"predicted_n": n, "predicted_ms": 2.0 * n}}}})
+ThreadingHTTPServer(("127.0.0.1", int(opt("--port"))), H).serve_forever()
+"""
+
+
+def _fake_server(tmp_path, mode: str = "ok"):
+    path = tmp_path / f"llama-server-{mode}"
+    log = tmp_path / f"fake-{mode}.json"
+    path.write_text(FAKE_SERVER.format(python=sys.executable, mode=mode, log=str(log)))
+    path.chmod(0o755)
+    return path, log
+
+
+@pytest.mark.slow
+def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
+    """The mixed load goes to llama-server all at once (as many in flight as it has slots), token-id prompts of the
+    workload's lengths, its tokens counted; batch-1 from its own timing; the table compares both."""
+    pytest.importorskip("gguf")
+    fake, log = _fake_server(tmp_path)
+    tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32]", "bench.peer=false",
+                         f"bench.llamacpp_server={fake}", "bench.llamacpp_server_slots=3", *tiny)
+    (row,) = data["results"]
+    sv = row["llamacpp_server"]
+    assert sv is not None, row.get("llamacpp_server_error")
+    items = make_workload(4, (8, 16), (4, 8), 0)
+    assert sv["format"] == "F32" and sv["slots"] == 3 and sv["requests"] == 4
+    assert sv["output_tokens"] == row["engine"]["output_tokens"] == sum(it.output_len for it in items)
+    assert sv["batch1_tok_s"] == pytest.approx(500.0)  # the stand-in's timing: 2 ms per token
+    seen = json.loads(log.read_text())
+    argv = seen["argv"]
+    assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-m") + 1].endswith("-F32.gguf")
+    assert seen["max_in_flight"] == 3  # all sent at once, capped by the server's slots
+    assert sorted(seen["requests"][-4:]) == sorted([len(it.prompt_ids), it.output_len] for it in items)
+    assert "srv mixed" in data["_stdout"] and "llama-server with 3 slots" in data["_stdout"]
+
+
+def test_llamacpp_server_peer_failures_are_named(tmp_path):
+    """A missing binary, a server that exits at start-up and one that answers short are each a clear error."""
+    pytest.importorskip("gguf")
+    from litellm_pipeline.bench import llamacpp
+    from litellm_pipeline.bench.checkpoints import write_random_checkpoint
+    from litellm_pipeline.bench.workload import batch1_item
+
+    why = llamacpp.server_unavailable(str(tmp_path / "no-such-llama-server"))
+    assert why and "no-such-llama-server" in why and "neither an executable" in why
+    _, cfg = resolve_model("tiny_llama")
+    ckpt = write_random_checkpoint(tmp_path / "tiny_llama", cfg, 0)
+    items, b1 = make_workload(2, (8, 16), (4, 8), 0), batch1_item(8, 4, 0)
+    dead, _ = _fake_server(tmp_path, "exit")
+    with pytest.raises(RuntimeError, match="exited with code 3: error: failed to load model"):
+        llamacpp.measure_server(str(dead), ckpt, "float32", items, b1, 1, 1, 2, tmp_path)
+    short, _ = _fake_server(tmp_path, "short")
+    with pytest.raises(RuntimeError, match="produced .* tokens, the workload asks for"):
+        llamacpp.measure_server(str(short), ckpt, "float32", items, b1, 1, 1, 2, tmp_path)
