@@ -158,37 +158,34 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     return row
 
 
+def _measure_peer(row: dict, key: str, label: str, why: str | None, units: int, bar: tqdm, mark, tag: str,
+                  run: Callable[[], dict]) -> None:
+    """``row[key] = run()`` for an optional peer, or ``row[key + "_error"]``: why it cannot run here, or how it
+    failed (a peer that fails is reported; the engine's numbers still count)."""
+    if why is None:
+        bar.set_description(f"{tag}: {label}")
+        try:
+            row[key] = run()
+        except Exception as exc:
+            row[key + "_error"] = f"{label} peer failed: {type(exc).__name__}: {exc}"
+    else:
+        row[key + "_error"] = why
+    bar.update(units)
+    if why is None:
+        mark(label)
+
+
 def _measure_llamacpp(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
-    why = llamacpp.unavailable()
-    if why:
-        row["llamacpp_error"] = why
-        bar.update(1 + s.num_requests)
-        return
-    bar.set_description(f"{tag}: llama.cpp")
-    try:
-        row["llamacpp"] = llamacpp.measure_in_subprocess(path, row["dtype"], items, b1, s.batch1_repeats,
-                                                         torch.get_num_threads(), path.parent)
-    except Exception as exc:  # a peer that fails is reported; the engine's numbers still count
-        row["llamacpp_error"] = f"llama.cpp peer failed: {type(exc).__name__}: {exc}"
-    bar.update(1 + s.num_requests)
-    mark("llama.cpp")
+    _measure_peer(row, "llamacpp", "llama.cpp", llamacpp.unavailable(), 1 + s.num_requests, bar, mark, tag,
+                  lambda: llamacpp.measure_in_subprocess(path, row["dtype"], items, b1, s.batch1_repeats,
+                                                         torch.get_num_threads(), path.parent))
 
 
 def _measure_llamacpp_server(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
-    why = llamacpp.server_unavailable(s.llamacpp_server)
-    if why:
-        row["llamacpp_server_error"] = why
-        bar.update()
-        return
-    bar.set_description(f"{tag}: llama-server")
-    try:
-        row["llamacpp_server"] = llamacpp.measure_server(s.llamacpp_server, path, row["dtype"], items, b1,
-                                                         s.batch1_repeats, torch.get_num_threads(),
-                                                         s.llamacpp_server_slots, path.parent)
-    except Exception as exc:  # a peer that fails is reported; the engine's numbers still count
-        row["llamacpp_server_error"] = f"llama-server peer failed: {type(exc).__name__}: {exc}"
-    bar.update()
-    mark("llama-server")
+    _measure_peer(row, "llamacpp_server", "llama-server", llamacpp.server_unavailable(s.llamacpp_server), 1, bar,
+                  mark, tag,
+                  lambda: llamacpp.measure_server(s.llamacpp_server, path, row["dtype"], items, b1, s.batch1_repeats,
+                                                  torch.get_num_threads(), s.llamacpp_server_slots, path.parent))
 
 
 def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:

@@ -41,13 +41,21 @@ import torch
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0"}
 
 
-def unavailable() -> str | None:
-    """Why the peer cannot run here, or None when it can."""
-    for mod, what in (("llama_cpp", "llama-cpp-python"), ("gguf", "gguf")):
+def _missing(*mods: tuple[str, str]) -> str | None:
+    """The pip name of the first ``(module, pip name)`` that does not import, or None."""
+    for mod, what in mods:
         try:
             __import__(mod)
         except ImportError:
-            return f"llama.cpp peer: {what} is not installed (pip install {what}; llama-cpp-python compiles llama.cpp)"
+            return what
+    return None
+
+
+def unavailable() -> str | None:
+    """Why the peer cannot run here, or None when it can."""
+    what = _missing(("llama_cpp", "llama-cpp-python"), ("gguf", "gguf"))
+    if what:
+        return f"llama.cpp peer: {what} is not installed (pip install {what}; llama-cpp-python compiles llama.cpp)"
     return None
 
 
@@ -221,9 +229,7 @@ def server_unavailable(binary: str) -> str | None:
     if shutil.which(binary) is None:
         return (f"llama-server peer: {binary!r} is neither an executable file nor a command on PATH (build llama.cpp's "
                 "llama-server target and pass its path as bench.llamacpp_server)")
-    try:
-        __import__("gguf")
-    except ImportError:
+    if _missing(("gguf", "gguf")):
         return "llama-server peer: gguf is not installed (pip install gguf)"
     return None
 
