@@ -137,6 +137,7 @@ class KVCacheManager:
         bus: EventBus | None = None,
     ):
         self.hot, self.hot_kv, self.block_size, self.warm = hot, hot_kv, block_size, warm
+        self._offsets = torch.arange(block_size)  # slot offsets inside a block
         self.prefix_caching = prefix_caching
         self.bus = bus if bus is not None else EventBus()
         hot.on_evict = self._on_evict
@@ -166,17 +167,22 @@ class KVCacheManager:
         decodes = schedule[i:]
         if not decodes:
             return KVLayout(tuple(chunks))
+        # a decode step runs every few milliseconds: a handful of tensor ops whatever the batch (each costs
+        # microseconds, and the caches are cold after the weights streamed through them)
         b = len(decodes)
         ctx_lens = [r.num_computed + 1 for r, _ in decodes]
         lmax = max(ctx_lens)
         nblk = -(-lmax // bs)
-        table = torch.zeros(b, nblk, dtype=torch.long)
-        for j, (r, _) in enumerate(decodes):
-            table[j, : min(len(r.block_ids), nblk)] = torch.tensor(r.block_ids[:nblk])
-        lens_t = torch.tensor(ctx_lens)
-        lpos = torch.arange(lmax)
-        slots = table[:, lpos // bs] * bs + lpos % bs
-        return KVLayout(tuple(chunks), slots, lens_t, slots[torch.arange(b), lens_t - 1])
+        table = [r.block_ids[:nblk] for r, _ in decodes]
+        for row in table:
+            if len(row) < nblk:
+                row.extend([0] * (nblk - len(row)))  # a shorter context: pad blocks (never read)
+        # every slot of the table's blocks, [b, nblk * bs], then the first lmax of each row
+        slots = (torch.tensor(table, dtype=torch.long).unsqueeze(-1) * bs + self._offsets).view(b, nblk * bs)
+        if nblk * bs != lmax:
+            slots = slots[:, :lmax].contiguous()
+        new = [r.block_ids[(n - 1) // bs] * bs + (n - 1) % bs for (r, _), n in zip(decodes, ctx_lens)]
+        return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), torch.tensor(new, dtype=torch.long))
 
     # ---- prefixes
     def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:

@@ -68,8 +68,8 @@ class Decode(Stage):
         for s in pb.seqs:
             s.kv_slots = s.kv_slots.to(dev)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev),
-            positions=torch.cat(positions).to(dev),
+            slot_mapping=_joined(slots).to(dev),
+            positions=_joined(positions).to(dev),
             prefills=pb.seqs,
             batch_invariant=self.batch_invariant,
             **meta_kw,
@@ -85,8 +85,16 @@ class Decode(Stage):
             if req.num_computed + n == req.num_tokens:  # catches up this step: its next token is sampled now
                 rows.append(row - 1)
                 reqs.append(req)
-        ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
+        if rows and len(rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather
+            ctx.logits = rt.model.compute_logits(hidden)
+        else:
+            ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
         ctx.sample_requests = reqs
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, without the copy when there is one part (a decode-only or prefill-only step)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _check_ops_params(layer_ops: str, ops_cls, params: dict) -> None:

@@ -223,7 +223,11 @@ def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
         if mode == "ops":
             for layer in model.layers:
                 layer.fused_decode = None
+        team_before = torch.ops.litellm_pipeline_cpu.decode_team_runs()
         outs = llm.generate(prompts, params)
+        team_ran = torch.ops.litellm_pipeline_cpu.decode_team_runs() > team_before
+        # dense models decode in one parallel region (MoE layers run their calls one by one)
+        assert team_ran == (mode == "model" and "moe" not in arch)
         runs[mode] = [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
         assert llm.engine.rt.pool.is_empty()
     assert runs["model"] == runs["layer"] == runs["ops"]
@@ -283,3 +287,114 @@ def test_fused_decode_only_with_the_paged_kernel_and_fused_dispatch(hf_checkpoin
     moe = LLM(model=str(hf_checkpoint("mixtral")), overrides=["pipeline.stages.decode.params.moe_dispatch=packed"])
     assert moe.engine.rt.model.fused_decode_layers is None  # packed experts: layer by layer
     assert all(layer.fused_decode is not None for layer in moe.engine.rt.model.layers)
+
+
+def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, window=0, layers=2, seed=0):
+    """Random dense layers, a paged cache with some context per sequence, and decode_layers' arguments."""
+    from litellm_pipeline.model.int8_ops import quantize_rows
+
+    g = torch.Generator().manual_seed(seed)
+    H, D, inter, slots_n = 40, 16, 52, 96  # H and the intermediate size are not multiples of 8: kernel tails
+
+    def rnd(*shape, s=0.3):
+        return (torch.randn(*shape, generator=g) * s).to(dtype)
+
+    def weight(o, k):
+        w = torch.randn(o, k, generator=g) * 0.2
+        return quantize_rows(w) if int8 else (w.to(dtype), None)
+
+    qkv_o = (hq + 2 * hk) * D
+    per = {k: [] for k in ("in_norm", "qkv_w", "qkv_s", "qkv_b", "q_norm", "k_norm", "o_w", "o_s", "post", "a", "a_s",
+                           "b", "b_s", "kc", "vc")}
+    for _ in range(layers):
+        for key, (o, k) in (("qkv", (qkv_o, H)), ("o", (H, hq * D)), ("a", (2 * inter, H)), ("b", (H, inter))):
+            w, s = weight(o, k)
+            per[key if key in ("a", "b") else f"{key}_w"].append(w)
+            if s is not None:
+                per[f"{key}_s"].append(s)
+        per["in_norm"].append(1 + rnd(H, s=0.1))
+        per["post"].append(1 + rnd(H, s=0.1))
+        if bias:
+            per["qkv_b"].append(rnd(qkv_o, s=0.1))
+        if qk_norm:
+            per["q_norm"].append(1 + rnd(D, s=0.1))
+            per["k_norm"].append(1 + rnd(D, s=0.1))
+        per["kc"].append(rnd(slots_n, hk, D, s=1.0))
+        per["vc"].append(rnd(slots_n, hk, D, s=1.0))
+    ctx = [5 + 9 * i for i in range(rows)]
+    perm = torch.randperm(slots_n, generator=g)  # scattered slots, none shared between sequences
+    kv_slots = torch.zeros(rows, max(ctx), dtype=torch.long)
+    start = 0
+    for i, n in enumerate(ctx):
+        kv_slots[i, :n] = perm[start : start + n]
+        start += n
+    lens = torch.tensor(ctx)
+    pos = lens - 1
+    inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+    ang = pos[:, None].float() * inv
+    cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    args = [rnd(rows, H, s=1.0), per["in_norm"], per["qkv_w"], per["qkv_b"], per["q_norm"], per["k_norm"], cos, sin,
+            per["kc"], per["vc"], kv_slots[torch.arange(rows), pos], torch.arange(rows), kv_slots, lens, per["o_w"], [],
+            per["post"], per["a"], per["b"], [], [window] * layers, 1e-6, 1e-6, D ** -0.5, hq, hk, D, [], [], [],
+            False, 32, per["qkv_s"], per["o_s"], per["a_s"], per["b_s"]]
+    return args
+
+
+def _run_decode_layers(args, team):
+    args = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]  # fresh caches per run
+    out = torch.ops.litellm_pipeline_cpu.decode_layers(*args, team)
+    return out, args[8], args[9]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "case",
+    [dict(dtype=torch.float32, rows=1, hq=4, hk=2), dict(dtype=torch.float32, rows=3, hq=4, hk=1, bias=True),
+     dict(dtype=torch.bfloat16, rows=2, hq=6, hk=3, qk_norm=True), dict(dtype=torch.float16, rows=1, hq=4, hk=4, window=6),
+     dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, int8=True), dict(dtype=torch.float32, rows=1, hq=2, hk=2, int8=True)],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
+)
+def test_decode_layers_in_one_parallel_region_is_bit_identical(fused, case, threads):
+    """The one-region decode (each thread its share of every projection and of the kv heads, spin barriers
+    between) gives the op-by-op calls' hidden states and K/V caches bit for bit, for 1-3 threads, fewer kv heads
+    than threads, bias, q/k norm, a sliding window and int8 weights."""
+    args = _decode_step(**case)
+    before, runs = torch.get_num_threads(), torch.ops.litellm_pipeline_cpu.decode_team_runs()
+    try:
+        torch.set_num_threads(threads)
+        team = _run_decode_layers(args, True)
+        assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs + 1  # the region ran, no fallback
+        ops = _run_decode_layers(args, False)
+        assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs + 1
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(team[0], ops[0])
+    for a, b in zip(team[1] + team[2], ops[1] + ops[2]):
+        assert torch.equal(a, b)
+    assert not torch.equal(team[1][0], args[8][0])  # the step wrote its K rows
+
+
+def test_decode_layers_errors_inside_the_region_end_it(fused):
+    """A check that fails on one thread inside the region (a context longer than its slot row, a kv slot out of
+    range) ends the region with that error on every thread count, and the next step runs normally."""
+    args = _decode_step(torch.float32, 2, 4, 2)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            bad = list(args)
+            bad[13] = args[13] + torch.tensor([0, 100])  # ctx_lens past the slot table
+            with pytest.raises(RuntimeError, match="ctx_len"):
+                _run_decode_layers(bad, True)
+            bad = list(args)
+            bad[12] = args[12].clone()
+            bad[12][1, 0] = 10_000
+            with pytest.raises(RuntimeError, match="kv slot 10000 out of range"):
+                _run_decode_layers(bad, True)
+            bad = list(args)
+            bad[10] = torch.tensor([0, 10_000])
+            with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 10000 out of range"):
+                _run_decode_layers(bad, True)
+            assert torch.equal(_run_decode_layers(args, True)[0], _run_decode_layers(args, False)[0])
+    finally:
+        torch.set_num_threads(before)

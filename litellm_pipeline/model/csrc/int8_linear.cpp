@@ -233,6 +233,23 @@ at::Tensor llp::int8_linear(const at::Tensor& x, const at::Tensor& qw, const at:
   return int8_linear_impl(x, qw, scale, bias, false);
 }
 
+// output rows [o0, o1) of y on the calling thread: what int8_linear runs on each of its threads
+template <typename T>
+void llp::int8_rows(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t K,
+                    int64_t O, int64_t o0, int64_t o1) {
+#if LLP_I8_AVX2
+  i8_rows_avx2<T>(x, w, scale, bias, y, M, K, O, o0, o1);
+#else
+  i8_rows_scalar<T>(x, w, scale, bias, y, M, K, O, o0, o1);
+#endif
+}
+template void llp::int8_rows<float>(const float*, const int8_t*, const float*, const float*, float*, int64_t,
+                                    int64_t, int64_t, int64_t, int64_t);
+template void llp::int8_rows<c10::BFloat16>(const c10::BFloat16*, const int8_t*, const float*, const c10::BFloat16*,
+                                            c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void llp::int8_rows<c10::Half>(const c10::Half*, const int8_t*, const float*, const c10::Half*, c10::Half*,
+                                        int64_t, int64_t, int64_t, int64_t, int64_t);
+
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qw, Tensor scale, Tensor? bias) -> Tensor");
   m.def("int8_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? bias) -> Tensor");

@@ -51,11 +51,17 @@
 #define LLP_DPBF16 0
 #endif
 
+#include <omp.h>
+
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -434,6 +440,16 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   return {sum, out};
 }
 
+// o[i] = silu(g[i]) * u[i] for i in [i0, i1), the product rounded in T
+template <typename T>
+inline void silu_row(const T* __restrict g, const T* __restrict u, T* __restrict o, int64_t i0, int64_t i1) {
+#pragma omp simd
+  for (int64_t i = i0; i < i1; ++i) {
+    const float a = to_f(g[i]);
+    o[i] = from_f<T>(rnd<T>(a / (1.0f + exp_f(-a))) * to_f(u[i]));
+  }
+}
+
 // silu(gate) * up for gate_up = [..., 2I] (gate first): the SwiGLU activation of a stacked projection.
 at::Tensor silu_mul(const at::Tensor& gu_in) {
   TORCH_CHECK(gu_in.dim() >= 1 && gu_in.size(-1) % 2 == 0, "silu_mul: the last dim must be even (gate, up)");
@@ -447,16 +463,7 @@ at::Tensor silu_mul(const at::Tensor& gu_in) {
     const T* gp = gu.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, n, row_grain(two_i), [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
-        const T* g = gp + r * two_i;
-        const T* u = g + inter;
-        T* o = op + r * inter;
-#pragma omp simd
-        for (int64_t i = 0; i < inter; ++i) {
-          const float a = to_f(g[i]);
-          o[i] = from_f<T>(rnd<T>(a / (1.0f + exp_f(-a))) * to_f(u[i]));
-        }
-      }
+      for (int64_t r = b; r < e; ++r) silu_row<T>(gp + r * two_i, gp + r * two_i + inter, op + r * inter, 0, inter);
     });
   });
   return out;
@@ -736,6 +743,290 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
                         c10::nullopt, down_s);
 }
 
+// ---------------------------------------------------------------------------------------------- decode team
+// A decode step of a dense model can run all its layers inside one parallel region. Each thread takes its share
+// of every projection's output rows and of the kv heads; the threads meet at a spin barrier only where a step
+// reads rows another thread wrote (five times per layer); the small per-row steps (norms, residual adds) run on
+// every thread at once over whole rows, each thread on its own copy, so they need no meeting. Against the
+// op-by-op calls of decode_layers below this drops, per layer, five fork/joins, the serial steps during which
+// the other threads wait, and the framework calls between the kernels (allocations, views, index_copy_), all
+// time in which the weight streams stand idle. Every value comes from the same kernels in the same order as the
+// op-by-op calls (norm_row, linear_rows / int8_rows, rotate, attend, silu_row), so results are bit-identical;
+// tests/model/test_cpu_kernels.py compares the two.
+
+#if LLP_SIMD
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// The threads of one parallel region meet here. A thread that fails sets `failed`; the others then leave their
+// wait (wait() returns false) and the region ends, and the error is rethrown after it.
+struct SpinBarrier {
+  std::atomic<int> arrived{0}, phase{0};
+  std::atomic<bool> failed{false};
+  int team = 1;
+  bool wait() {
+    const int ph = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(ph + 1, std::memory_order_release);
+    } else {
+      for (int spin = 0; phase.load(std::memory_order_acquire) == ph; ++spin) {
+        if (failed.load(std::memory_order_relaxed)) return false;
+        if (spin < (1 << 14)) cpu_relax(); else std::this_thread::yield();  // an oversubscribed CPU: let others run
+      }
+    }
+    return !failed.load(std::memory_order_relaxed);
+  }
+};
+
+struct TeamLinear {
+  const void* w = nullptr;
+  const float* scale = nullptr;  // int8 weights: their per-row scales
+  const void* bias = nullptr;
+  int64_t O = 0, K = 0;
+};
+
+struct TeamLayer {
+  const void *in_norm, *q_norm, *k_norm, *post_norm;
+  TeamLinear qkv, o, gate_up, down;
+  at::Tensor k_cache, v_cache;
+  int64_t window;
+};
+
+struct TeamJob {
+  std::vector<TeamLayer> layers;
+  int64_t M, H, D, hq, hk, I;
+  float eps, qk_eps;
+  double scale;
+  const void *h_in, *cos, *sin;
+  const int64_t* slot_mapping;
+  at::Tensor q, attn, rows, kv_slots, ctx_lens;  // q: a [M, hq, D] view of qkv; attn: [M, hq, D]
+  void *qkv, *a, *gu, *act, *d, *out;
+};
+
+// this thread's part [o0, o1) of n: runs of 8 rows (the blocks small_linear's threads take)
+inline std::pair<int64_t, int64_t> share(int64_t count, int t, int n) {
+  const int64_t blocks = (count + 7) / 8;
+  return {std::min(count, blocks * t / n * 8), std::min(count, blocks * (t + 1) / n * 8)};
+}
+
+template <typename T>
+inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_t o0, int64_t o1) {
+  if (o1 <= o0) return;
+  if (l.scale)
+    llp::int8_rows<T>(x, static_cast<const int8_t*>(l.w), l.scale, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+  else
+    linear_rows<T>(x, static_cast<const T*>(l.w), static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+}
+
+template <typename T>
+LLP_NO_CONTRACT inline void add_rows(const T* __restrict a, const T* __restrict b, T* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
+}
+
+// thread t of n; priv: this thread's [3, M, H] (the residual stream, the post-attention sum, a normed input)
+template <typename T>
+void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
+  const int64_t M = J.M, H = J.H, D = J.D, hq = J.hq, hk = J.hk, G = hq / hk, QKV = (hq + 2 * hk) * D;
+  T* h = priv;
+  T* sum = priv + M * H;
+  T* x = priv + 2 * M * H;
+  T* qkv = static_cast<T*>(J.qkv);
+  T* a = static_cast<T*>(J.a);
+  T* gu = static_cast<T*>(J.gu);
+  T* act = static_cast<T*>(J.act);
+  T* d = static_cast<T*>(J.d);
+  const T* cs = static_cast<const T*>(J.cos);
+  const T* sn = static_cast<const T*>(J.sin);
+  std::memcpy(h, J.h_in, sizeof(T) * M * H);
+  const int64_t kh0 = hk * t / n, kh1 = hk * (t + 1) / n;  // this thread's kv heads (and their G query heads each)
+  for (const TeamLayer& L : J.layers) {
+    for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(L.in_norm), J.eps, x + m * H, H);
+    auto [q0, q1] = share(L.qkv.O, t, n);
+    team_linear<T>(x, L.qkv, qkv, M, q0, q1);
+    if (!bar.wait()) return;
+    if (kh1 > kh0) {
+      const int64_t nq = (kh1 - kh0) * G, nk = kh1 - kh0;
+      T* kc = L.k_cache.data_ptr<T>();
+      T* vc = L.v_cache.data_ptr<T>();
+      for (int64_t m = 0; m < M; ++m) {
+        T* qh = qkv + m * QKV + kh0 * G * D;
+        T* kh = qkv + m * QKV + (hq + kh0) * D;
+        const T* vh = qkv + m * QKV + (hq + hk + kh0) * D;
+        if (L.q_norm) {
+          for (int64_t j = 0; j < nq; ++j) norm_row<T>(qh + j * D, static_cast<const T*>(L.q_norm), J.qk_eps, qh + j * D, D);
+          for (int64_t j = 0; j < nk; ++j) norm_row<T>(kh + j * D, static_cast<const T*>(L.k_norm), J.qk_eps, kh + j * D, D);
+        }
+        rotate<T>(qh, D, nq, cs + m * D, sn + m * D, D / 2);
+        rotate<T>(kh, D, nk, cs + m * D, sn + m * D, D / 2);
+        const int64_t slot = J.slot_mapping[m];
+        std::memcpy(kc + (slot * hk + kh0) * D, kh, sizeof(T) * nk * D);
+        std::memcpy(vc + (slot * hk + kh0) * D, vh, sizeof(T) * nk * D);
+      }
+      llp::paged_attention_heads(J.attn, J.q, L.k_cache, L.v_cache, J.rows, J.kv_slots, J.ctx_lens, 1, J.scale,
+                                 L.window, kh0, kh1);
+    }
+    if (!bar.wait()) return;
+    auto [h0, h1] = share(H, t, n);
+    team_linear<T>(static_cast<const T*>(J.attn.data_ptr()), L.o, a, M, h0, h1);
+    if (!bar.wait()) return;
+    for (int64_t m = 0; m < M; ++m) {
+      add_rows<T>(h + m * H, a + m * H, sum + m * H, H);
+      norm_row<T>(sum + m * H, static_cast<const T*>(L.post_norm), J.eps, x + m * H, H);
+    }
+    // gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
+    const int64_t I = L.down.K;
+    auto [i0, i1] = share(I, t, n);
+    team_linear<T>(x, L.gate_up, gu, M, i0, i1);
+    team_linear<T>(x, L.gate_up, gu, M, I + i0, I + i1);
+    for (int64_t m = 0; m < M; ++m) silu_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, i0, i1);
+    if (!bar.wait()) return;
+    team_linear<T>(act, L.down, d, M, h0, h1);
+    if (!bar.wait()) return;
+    for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
+  }
+  if (t == 0) std::memcpy(J.out, h, sizeof(T) * M * H);
+}
+
+// A linear the team can run: the kernel linear_any would pick for M rows (small_linear's rows, or int8_linear's)
+bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
+                    at::ScalarType t, int64_t M, int64_t max_rows, int64_t K, TeamLinear& out) {
+  if (w.dim() != 2 || w.size(1) != K || !w.is_contiguous()) return false;
+  const int64_t O = w.size(0);
+  if (w.scalar_type() == at::kChar) {
+    if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != O ||
+        !scale->is_contiguous() || !(max_rows < 0 || M <= kInt8KernelRows))
+      return false;
+    out.scale = scale->data_ptr<float>();
+  } else {
+    // small_linear's arithmetic: the decode-size path, or row_linear where it is the same kernel
+    const bool dp = LLP_DPBF16 && t == at::kBFloat16;
+    if (w.scalar_type() != t || !((max_rows >= 0 && M <= max_rows) || (max_rows < 0 && !dp))) return false;
+  }
+  if (bias.has_value() && bias->defined()) {
+    if (bias->scalar_type() != t || bias->numel() != O || !bias->is_contiguous()) return false;
+    out.bias = bias->data_ptr();
+  }
+  out.w = w.data_ptr();
+  out.O = O;
+  out.K = K;
+  return true;
+}
+
+#endif  // LLP_SIMD
+
+std::atomic<int64_t> team_runs{0};  // decode steps the team ran (the tests check that it did)
+int64_t decode_team_runs() { return team_runs.load(); }
+
+// Every layer of a dense decode step in one parallel region (see above); an undefined tensor where the step is
+// outside what the team runs (then decode_layers runs the op-by-op calls, which say what is wrong, if anything).
+at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at::TensorList qkv_w,
+                              at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos,
+                              const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
+                              const at::Tensor& slot_mapping, const at::Tensor& rows, const at::Tensor& kv_slots,
+                              const at::Tensor& ctx_lens, at::TensorList o_w, at::TensorList o_b,
+                              at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b, at::IntArrayRef windows,
+                              double eps, double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s,
+                              at::TensorList mlp_a_s, at::TensorList mlp_b_s) {
+#if LLP_SIMD
+  const at::ScalarType t = h_in.scalar_type();
+  const bool float_t = t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  if (!float_t || h_in.dim() != 2 || !h_in.is_contiguous() || h_in.size(0) == 0 || in_norm.empty()) return {};
+  const int64_t M = h_in.size(0), H = h_in.size(1), D = head_dim, hq = num_heads, hk = num_kv_heads;
+  if (!few_rows(M, max_rows) || hk <= 0 || hq % hk != 0 || D % 2 != 0) return {};
+  const at::Tensor cs = cos.contiguous(), sn = sin.contiguous();
+  if (cs.scalar_type() != t || sn.scalar_type() != t || cs.dim() != 2 || cs.size(0) != M || cs.size(1) != D ||
+      sn.sizes() != cs.sizes())
+    return {};
+  if (slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != M || !slot_mapping.is_contiguous()) return {};
+  auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
+  auto norm_ok = [&](const at::Tensor& w, int64_t n) {
+    return w.dim() == 1 && w.size(0) == n && w.scalar_type() == t && w.is_contiguous();
+  };
+  TeamJob J;
+  J.M = M, J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0;
+  J.eps = static_cast<float>(eps), J.qk_eps = static_cast<float>(qk_eps), J.scale = scale;
+  const int64_t QKV = (hq + 2 * hk) * D, num_slots = k_caches[0].size(0);
+  for (size_t i = 0; i < in_norm.size(); ++i) {
+    TeamLayer L{};
+    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+    if (kc.scalar_type() != t || !kc.is_contiguous() || kc.dim() != 3 || kc.size(0) != num_slots ||
+        kc.size(1) != hk || kc.size(2) != D || vc.sizes() != kc.sizes() || vc.scalar_type() != t || !vc.is_contiguous())
+      return {};
+    if (!norm_ok(in_norm[i], H) || !norm_ok(post_norm[i], H)) return {};
+    if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return {};
+    if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, M, max_rows, H, L.qkv) || L.qkv.O != QKV ||
+        !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, M, max_rows, hq * D, L.o) || L.o.O != H ||
+        mlp_b[i].dim() != 2 ||
+        !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, M, max_rows, H, L.gate_up) ||
+        !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, M, max_rows, mlp_b[i].size(1), L.down) ||
+        L.down.O != H || L.gate_up.O != 2 * L.down.K)
+      return {};
+    L.in_norm = in_norm[i].data_ptr();
+    L.post_norm = post_norm[i].data_ptr();
+    L.q_norm = q_norm.empty() ? nullptr : q_norm[i].data_ptr();
+    L.k_norm = k_norm.empty() ? nullptr : k_norm[i].data_ptr();
+    L.k_cache = kc, L.v_cache = vc;
+    L.window = windows[i];
+    J.I = std::max(J.I, L.down.K);
+    J.layers.push_back(std::move(L));
+  }
+  // what the op-by-op path checks as it goes, checked before any thread starts (a check that fails inside the
+  // region would leave the others waiting)
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(sm[m] >= 0 && sm[m] < num_slots, "decode_layers: slot_mapping[", m, "] = ", sm[m],
+                " out of range [0, ", num_slots, ")");
+  at::Tensor qkv = at::empty({M, QKV}, h_in.options());
+  at::Tensor attn = at::empty({M, hq, D}, h_in.options());
+  J.q = qkv.view({M, hq + 2 * hk, D}).narrow(1, 0, hq);
+  J.attn = attn;
+  J.rows = rows, J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
+  for (const TeamLayer& L : J.layers)
+    llp::check_paged_attention(J.attn, J.q, L.k_cache, L.v_cache, rows, kv_slots, ctx_lens, 1);
+  at::Tensor a = at::empty({M, H}, h_in.options()), d = at::empty({M, H}, h_in.options());
+  at::Tensor gu = at::empty({M, 2 * J.I}, h_in.options()), act = at::empty({M, J.I}, h_in.options());
+  at::Tensor out = at::empty({M, H}, h_in.options());
+  const int nt = std::max(1, at::get_num_threads());
+  at::Tensor priv = at::empty({nt, 3, M, H}, h_in.options());
+  J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
+  J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
+  J.out = out.data_ptr();
+  SpinBarrier bar;
+  std::exception_ptr err;
+  std::mutex err_mu;
+  dispatch_float_types(t, "decode_layers", [&](auto tag) {
+    using T = decltype(tag);
+    T* pp = priv.data_ptr<T>();
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp single
+      bar.team = omp_get_num_threads();
+      const int tid = omp_get_thread_num();
+      try {
+        team_body<T>(J, tid, bar.team, bar, pp + static_cast<int64_t>(tid) * 3 * M * H);
+      } catch (...) {
+        {
+          std::lock_guard<std::mutex> g(err_mu);
+          if (!err) err = std::current_exception();
+        }
+        bar.failed.store(true);
+      }
+    }
+  });
+  if (err) std::rethrow_exception(err);
+  team_runs.fetch_add(1);
+  return out;
+#else
+  return {};
+#endif
+}
+
 // Every decoder layer of a decode-only step in one call: per layer the attention block above, then the dense MLP
 // (router empty) or the MoE block (router, then the experts), exactly as the per-layer calls run them. What goes
 // is the return to Python between layers, during which the memory streams stand idle. A MoE layer i routes with
@@ -750,7 +1041,8 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                          at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef moe_ks,
                          at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize, int64_t max_rows,
-                         at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s, at::TensorList mlp_b_s) {
+                         at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s, at::TensorList mlp_b_s,
+                         bool team) {
   const size_t n = in_norm.size();
   for (size_t len : {qkv_s.size(), o_s.size(), mlp_a_s.size(), mlp_b_s.size()})
     TORCH_CHECK(len == 0 || len == n, "decode_layers: the int8 scale lists are empty (float weights) or per layer");
@@ -766,6 +1058,13 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
   TORCH_CHECK(router.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
   TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
   TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
+  if (team && router.empty()) {
+    at::Tensor out = decode_layers_team(h_in, in_norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, k_caches, v_caches,
+                                        slot_mapping, rows, kv_slots, ctx_lens, o_w, o_b, post_norm, mlp_a, mlp_b,
+                                        windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, max_rows,
+                                        qkv_s, o_s, mlp_a_s, mlp_b_s);
+    if (out.defined()) return out;
+  }
   at::Tensor h = h_in;
   for (size_t i = 0; i < n; ++i) {
     auto [s, x] = decode_attention_block(
@@ -796,6 +1095,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("simd_isa", &simd_isa);
   m.def("native_bf16_gemm", &native_bf16_gemm);
   m.def("native_fp16_gemm", &native_fp16_gemm);
+  m.def("decode_team_runs", &decode_team_runs);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -816,7 +1116,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
       "Tensor[] mlp_b, "
       "Tensor[] router, int[] windows, float eps, float qk_eps, float scale, int num_heads, int num_kv_heads, "
       "int head_dim, int[] moe_ks, Tensor[] moe_top_k, Tensor[] moe_allowed, bool moe_normalize, int max_rows, "
-      "Tensor[] qkv_s, Tensor[] o_s, Tensor[] mlp_a_s, Tensor[] mlp_b_s) -> Tensor");
+      "Tensor[] qkv_s, Tensor[] o_s, Tensor[] mlp_a_s, Tensor[] mlp_b_s, bool team=True) -> Tensor");
   m.def("residual_mlp(Tensor h, Tensor x, Tensor gate_up_w, Tensor down_w, int max_rows, Tensor? gate_up_s=None, "
         "Tensor? down_s=None) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor expert_idx, Tensor expert_w, Tensor w13, Tensor w2, int max_rows, "

@@ -221,11 +221,10 @@ int64_t heads_per_item(int64_t hk, int64_t units) {
   return 1;
 }
 
-// out[rows[s] + i] for i < q_len: query i of sequence s sits at position ctx_lens[s] - q_len + i and attends the
-// keys at positions (pos - window, pos] (window <= 0: all of [0, pos]) through slots[s, :ctx_lens[s]].
-void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
-                     double scale, int64_t window) {
+// The checks of paged_attention below, which a caller running attention inside its own threads makes first.
+void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots,
+                           const at::Tensor& ctx_lens, int64_t q_len) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 3, "paged_attention: q, out and caches are 3-D");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache, &rows, &slots, &ctx_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
@@ -246,23 +245,79 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   TORCH_CHECK(q_len >= 1, "paged_attention: q_len must be >= 1");
   const int64_t hq = q.size(1), hk = k_cache.size(1), d = q.size(2);
   TORCH_CHECK(k_cache.size(2) == d && hk > 0 && hq % hk == 0, "paged_attention: head shapes do not match");
-  if (S == 0) return;
-  const Shape sh{hk, hq / hk, d, heads_per_item(hk, S * q_len), k_cache.size(0),
-                 q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
-  const Job job{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr<int64_t>(),
-                slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), slots.stride(0), L, q.size(0), S, q_len,
-                static_cast<float>(scale), window, sh};
-  switch (q.scalar_type()) {
-    case at::kFloat: run<float>(job); break;
-    case at::kBFloat16: run<c10::BFloat16>(job); break;
-    case at::kHalf: run<c10::Half>(job); break;
-    default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " not supported (float32, bfloat16, float16)");
+}
+
+Job make_job(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+             const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len, double scale,
+             int64_t window, int64_t heads_per_item) {
+  const int64_t S = slots.size(0), L = slots.size(1), hq = q.size(1), hk = k_cache.size(1), d = q.size(2);
+  const Shape sh{hk, hq / hk, d, heads_per_item, k_cache.size(0), q.stride(0), q.stride(1), out.stride(0), out.stride(1)};
+  return Job{q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr<int64_t>(),
+             slots.data_ptr<int64_t>(), ctx_lens.data_ptr<int64_t>(), slots.stride(0), L, q.size(0), S, q_len,
+             static_cast<float>(scale), window, sh};
+}
+
+template <typename F>
+void dispatch_attention(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, "paged_attention: dtype ", t, " not supported (float32, bfloat16, float16)");
   }
+}
+
+// out[rows[s] + i] for i < q_len: query i of sequence s sits at position ctx_lens[s] - q_len + i and attends the
+// keys at positions (pos - window, pos] (window <= 0: all of [0, pos]) through slots[s, :ctx_lens[s]].
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
+                     double scale, int64_t window) {
+  check_paged_attention(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len);
+  const int64_t S = slots.size(0);
+  if (S == 0) return;
+  const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window,
+                           heads_per_item(k_cache.size(1), S * q_len));
+  dispatch_attention(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(job); });
+}
+
+// kv heads [h0, h1) of every query, all on the calling thread: paged_attention's arithmetic (a query head's
+// result does not depend on which heads share its work item), for callers that split heads over their threads.
+template <typename T>
+void run_heads(const Job& jb, int64_t h0, int64_t h1) {
+  const Shape& sh = jb.sh;
+  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
+  std::vector<float> ws(static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)));
+  for (int64_t s = 0; s < jb.num_seqs; ++s)
+    for (int64_t i = 0; i < jb.q_len; ++i) {
+      const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
+      TORCH_CHECK(ctx >= jb.q_len && ctx <= jb.max_len, "paged_attention: ctx_len ", ctx, " outside [q_len, ",
+                  jb.max_len, "]");
+      TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
+      const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
+      attend_fn(static_cast<const T*>(jb.q) + row * sh.q_s0, static_cast<T*>(jb.out) + row * sh.o_s0,
+                static_cast<const T*>(jb.kc), static_cast<const T*>(jb.vc), jb.slots + s * jb.slot_stride, begin,
+                pos + 1, h0, jb.scale, sh, ws.data());
+    }
+  (void)h1;
 }
 
 }  // namespace
 
 namespace llp {
+void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots,
+                           const at::Tensor& ctx_lens, int64_t q_len) {
+  ::check_paged_attention(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len);
+}
+
+void paged_attention_heads(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
+                           double scale, int64_t window, int64_t h0, int64_t h1) {
+  if (h1 <= h0 || slots.size(0) == 0) return;
+  const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window, h1 - h0);
+  dispatch_attention(q.scalar_type(), [&](auto tag) { run_heads<decltype(tag)>(job, h0, h1); });
+}
+
 void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                          const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
                          double scale, int64_t window) {
