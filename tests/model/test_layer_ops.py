@@ -226,8 +226,8 @@ def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
         team_before = torch.ops.litellm_pipeline_cpu.decode_team_runs()
         outs = llm.generate(prompts, params)
         team_ran = torch.ops.litellm_pipeline_cpu.decode_team_runs() > team_before
-        # dense models decode in one parallel region (MoE layers run their calls one by one)
-        assert team_ran == (mode == "model" and "moe" not in arch)
+        # the whole-model call runs in one parallel region (qwen2_moe's shared expert has no whole-model call)
+        assert team_ran == (mode == "model" and arch != "qwen2_moe")
         runs[mode] = [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
         assert llm.engine.rt.pool.is_empty()
     assert runs["model"] == runs["layer"] == runs["ops"]
@@ -289,8 +289,11 @@ def test_fused_decode_only_with_the_paged_kernel_and_fused_dispatch(hf_checkpoin
     assert all(layer.fused_decode is not None for layer in moe.engine.rt.model.layers)
 
 
-def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, window=0, layers=2, seed=0):
-    """Random dense layers, a paged cache with some context per sequence, and decode_layers' arguments."""
+def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, window=0, layers=2, seed=0,
+                 experts=0, limits=False):
+    """Random layers (dense, or MoE blocks of ``experts`` experts routing 2 per token; ``limits``: per-token
+    top-k and allowed experts as TierSets give them), a paged cache with some context per sequence, and
+    decode_layers' arguments."""
     from litellm_pipeline.model.int8_ops import quantize_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -299,16 +302,16 @@ def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, 
     def rnd(*shape, s=0.3):
         return (torch.randn(*shape, generator=g) * s).to(dtype)
 
-    def weight(o, k):
-        w = torch.randn(o, k, generator=g) * 0.2
+    def weight(o, k, stack=False):
+        w = torch.randn(*((experts,) if stack else ()), o, k, generator=g) * 0.2
         return quantize_rows(w) if int8 else (w.to(dtype), None)
 
     qkv_o = (hq + 2 * hk) * D
     per = {k: [] for k in ("in_norm", "qkv_w", "qkv_s", "qkv_b", "q_norm", "k_norm", "o_w", "o_s", "post", "a", "a_s",
-                           "b", "b_s", "kc", "vc")}
+                           "b", "b_s", "kc", "vc", "router")}
     for _ in range(layers):
         for key, (o, k) in (("qkv", (qkv_o, H)), ("o", (H, hq * D)), ("a", (2 * inter, H)), ("b", (H, inter))):
-            w, s = weight(o, k)
+            w, s = weight(o, k, stack=experts > 0 and key in ("a", "b"))
             per[key if key in ("a", "b") else f"{key}_w"].append(w)
             if s is not None:
                 per[f"{key}_s"].append(s)
@@ -321,6 +324,8 @@ def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, 
             per["k_norm"].append(1 + rnd(D, s=0.1))
         per["kc"].append(rnd(slots_n, hk, D, s=1.0))
         per["vc"].append(rnd(slots_n, hk, D, s=1.0))
+        if experts:
+            per["router"].append(rnd(experts, H, s=1.0))
     ctx = [5 + 9 * i for i in range(rows)]
     perm = torch.randperm(slots_n, generator=g)  # scattered slots, none shared between sequences
     kv_slots = torch.zeros(rows, max(ctx), dtype=torch.long)
@@ -333,10 +338,17 @@ def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, 
     inv = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
     ang = pos[:, None].float() * inv
     cos, sin = torch.cat((ang.cos(), ang.cos()), -1).to(dtype), torch.cat((ang.sin(), ang.sin()), -1).to(dtype)
+    top_k, allowed = [], []
+    if experts and limits:  # token 0 may use 1 expert, the others 2; each token a random half of the experts
+        top_k = [torch.tensor([1] + [2] * (rows - 1)) for _ in range(layers)]
+        allowed = [torch.rand(rows, experts, generator=g) > 0.5 for _ in range(layers)]
+        for a in allowed:
+            a[:, 0] = True
     args = [rnd(rows, H, s=1.0), per["in_norm"], per["qkv_w"], per["qkv_b"], per["q_norm"], per["k_norm"], cos, sin,
             per["kc"], per["vc"], kv_slots[torch.arange(rows), pos], torch.arange(rows), kv_slots, lens, per["o_w"], [],
-            per["post"], per["a"], per["b"], [], [window] * layers, 1e-6, 1e-6, D ** -0.5, hq, hk, D, [], [], [],
-            False, 32, per["qkv_s"], per["o_s"], per["a_s"], per["b_s"]]
+            per["post"], per["a"], per["b"], per["router"], [window] * layers, 1e-6, 1e-6, D ** -0.5, hq, hk, D,
+            [2] * layers if experts else [], top_k, allowed, True, 32, per["qkv_s"], per["o_s"], per["a_s"],
+            per["b_s"]]
     return args
 
 
@@ -351,13 +363,16 @@ def _run_decode_layers(args, team):
     "case",
     [dict(dtype=torch.float32, rows=1, hq=4, hk=2), dict(dtype=torch.float32, rows=3, hq=4, hk=1, bias=True),
      dict(dtype=torch.bfloat16, rows=2, hq=6, hk=3, qk_norm=True), dict(dtype=torch.float16, rows=1, hq=4, hk=4, window=6),
-     dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, int8=True), dict(dtype=torch.float32, rows=1, hq=2, hk=2, int8=True)],
+     dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, int8=True), dict(dtype=torch.float32, rows=1, hq=2, hk=2, int8=True),
+     dict(dtype=torch.float32, rows=1, hq=4, hk=2, experts=4), dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, experts=5),
+     dict(dtype=torch.float16, rows=4, hq=4, hk=1, experts=4, limits=True),
+     dict(dtype=torch.float32, rows=3, hq=4, hk=2, experts=4, int8=True, limits=True)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
 )
 def test_decode_layers_in_one_parallel_region_is_bit_identical(fused, case, threads):
     """The one-region decode (each thread its share of every projection and of the kv heads, spin barriers
     between) gives the op-by-op calls' hidden states and K/V caches bit for bit, for 1-3 threads, fewer kv heads
-    than threads, bias, q/k norm, a sliding window and int8 weights."""
+    than threads, bias, q/k norm, a sliding window, int8 weights, and MoE blocks with and without TierSet limits."""
     args = _decode_step(**case)
     before, runs = torch.get_num_threads(), torch.ops.litellm_pipeline_cpu.decode_team_runs()
     try:

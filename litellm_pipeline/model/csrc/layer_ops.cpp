@@ -744,15 +744,16 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 }
 
 // ---------------------------------------------------------------------------------------------- decode team
-// A decode step of a dense model can run all its layers inside one parallel region. Each thread takes its share
-// of every projection's output rows and of the kv heads; the threads meet at a spin barrier only where a step
-// reads rows another thread wrote (five times per layer); the small per-row steps (norms, residual adds) run on
-// every thread at once over whole rows, each thread on its own copy, so they need no meeting. Against the
-// op-by-op calls of decode_layers below this drops, per layer, five fork/joins, the serial steps during which
-// the other threads wait, and the framework calls between the kernels (allocations, views, index_copy_), all
-// time in which the weight streams stand idle. Every value comes from the same kernels in the same order as the
-// op-by-op calls (norm_row, linear_rows / int8_rows, rotate, attend, silu_row), so results are bit-identical;
-// tests/model/test_cpu_kernels.py compares the two.
+// A decode step can run all its layers inside one parallel region. Each thread takes its share of every
+// projection's output rows (of each expert's, in a MoE block) and of the kv heads; the threads meet at a spin
+// barrier only where a step reads rows another thread wrote (five times per dense layer, three plus two per
+// expert run in a MoE one); the small per-row steps (norms, residual adds, a MoE block's routing and weighted
+// sum) run on every thread at once over whole rows, each thread on its own copy, so they need no meeting.
+// Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
+// during which the other threads wait, and the framework calls between the kernels (allocations, views,
+// index_copy_), all time in which the weight streams stand idle. Every value comes from the same kernels in the
+// same order as the op-by-op calls (norm_row, linear_rows / int8_rows, rotate, attend, moe_route, silu_row,
+// add_scaled), so results are bit-identical; tests/model/test_layer_ops.py compares the two.
 
 #if LLP_SIMD
 inline void cpu_relax() {
@@ -787,25 +788,42 @@ struct TeamLinear {
   const float* scale = nullptr;  // int8 weights: their per-row scales
   const void* bias = nullptr;
   int64_t O = 0, K = 0;
+  int64_t elt = 0;  // bytes per weight
 };
 
 struct TeamLayer {
   const void *in_norm, *q_norm, *k_norm, *post_norm;
-  TeamLinear qkv, o, gate_up, down;
+  TeamLinear qkv, o, gate_up, down;  // MoE: gate_up and down are expert 0's, the others follow at a fixed stride
   at::Tensor k_cache, v_cache;
   int64_t window;
+  // MoE layers: the router and moe_route's arguments (an undefined router: a dense MLP)
+  at::Tensor router;
+  int64_t moe_k = 0, experts = 0;
+  c10::optional<at::Tensor> top_k, allowed;
 };
 
 struct TeamJob {
   std::vector<TeamLayer> layers;
-  int64_t M, H, D, hq, hk, I;
+  int64_t M, H, D, hq, hk, I, K;  // K: the most experts a MoE layer routes a token to
   float eps, qk_eps;
   double scale;
   const void *h_in, *cos, *sin;
   const int64_t* slot_mapping;
   at::Tensor q, attn, rows, kv_slots, ctx_lens;  // q: a [M, hq, D] view of qkv; attn: [M, hq, D]
   void *qkv, *a, *gu, *act, *d, *out;
+  void* ys;  // MoE: every routed (token, slot)'s expert output, experts ascending
+  bool moe_normalize;
+  int64_t max_rows;
+  at::TensorOptions opts;
 };
+
+// expert e's weights of a [E, O, K] stack (and its scales) as one linear
+inline TeamLinear expert_linear(const TeamLinear& stack, int64_t e) {
+  TeamLinear l = stack;
+  l.w = static_cast<const char*>(stack.w) + e * stack.O * stack.K * stack.elt;
+  if (stack.scale) l.scale = stack.scale + e * stack.O;
+  return l;
+}
 
 // this thread's part [o0, o1) of n: runs of 8 rows (the blocks small_linear's threads take)
 inline std::pair<int64_t, int64_t> share(int64_t count, int t, int n) {
@@ -828,7 +846,8 @@ LLP_NO_CONTRACT inline void add_rows(const T* __restrict a, const T* __restrict 
   for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
 }
 
-// thread t of n; priv: this thread's [3, M, H] (the residual stream, the post-attention sum, a normed input)
+// thread t of n; priv: this thread's [4, M, H] (the residual stream, the post-attention sum, a normed input, and
+// a MoE block's gathered tokens, then its output)
 template <typename T>
 void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   const int64_t M = J.M, H = J.H, D = J.D, hq = J.hq, hk = J.hk, G = hq / hk, QKV = (hq + 2 * hk) * D;
@@ -881,24 +900,62 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     // gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
     const int64_t I = L.down.K;
     auto [i0, i1] = share(I, t, n);
-    team_linear<T>(x, L.gate_up, gu, M, i0, i1);
-    team_linear<T>(x, L.gate_up, gu, M, I + i0, I + i1);
-    for (int64_t m = 0; m < M; ++m) silu_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, i0, i1);
-    if (!bar.wait()) return;
-    team_linear<T>(act, L.down, d, M, h0, h1);
-    if (!bar.wait()) return;
-    for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
+    auto mlp = [&](const T* in, int64_t rows, const TeamLinear& gate_up, const TeamLinear& down, T* y) {
+      team_linear<T>(in, gate_up, gu, rows, i0, i1);
+      team_linear<T>(in, gate_up, gu, rows, I + i0, I + i1);
+      for (int64_t m = 0; m < rows; ++m) silu_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, i0, i1);
+      if (!bar.wait()) return false;
+      team_linear<T>(act, down, y, rows, h0, h1);
+      return bar.wait();
+    };
+    if (!L.router.defined()) {
+      if (!mlp(x, M, L.gate_up, L.down, d)) return;
+      for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
+      continue;
+    }
+    // MoE: every thread routes on its own (the same values everywhere: the router is a few dot products per
+    // token), then the experts run one after another as moe_experts groups them (experts ascending, their tokens
+    // in order), each split over the threads; the weighted sum rounds as moe_experts' does.
+    const at::Tensor xt = at::from_blob(x, {M, H}, J.opts);
+    auto [idx, wts] = moe_route(xt, L.router, L.moe_k, J.moe_normalize, J.max_rows, L.top_k, L.allowed);
+    const int64_t k = idx.size(1);
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    const float* wp = wts.data_ptr<float>();
+    std::vector<std::vector<int64_t>> slots(L.experts);  // flat (token * k + slot) per expert, tokens ascending
+    for (int64_t i = 0; i < M * k; ++i)
+      if (ip[i] >= 0) slots[ip[i]].push_back(i);
+    T* xe = priv + 3 * M * H;  // an expert's tokens, gathered
+    T* ys = static_cast<T*>(J.ys);
+    int64_t off = 0;
+    for (int64_t e = 0; e < L.experts; ++e) {
+      const int64_t ne = static_cast<int64_t>(slots[e].size());
+      if (ne == 0) continue;
+      for (int64_t i = 0; i < ne; ++i) std::memcpy(xe + i * H, x + slots[e][i] / k * H, sizeof(T) * H);
+      if (!mlp(xe, ne, expert_linear(L.gate_up, e), expert_linear(L.down, e), ys + off * H))
+        return;
+      off += ne;
+    }
+    T* moe_out = xe;
+    std::fill(moe_out, moe_out + M * H, from_f<T>(0.f));
+    off = 0;
+    for (int64_t e = 0; e < L.experts; ++e) {
+      for (int64_t i = 0; i < static_cast<int64_t>(slots[e].size()); ++i)
+        add_scaled<T>(moe_out + slots[e][i] / k * H, ys + (off + i) * H, wp[slots[e][i]], H);
+      off += static_cast<int64_t>(slots[e].size());
+    }
+    for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, moe_out + m * H, h + m * H, H);
   }
   if (t == 0) std::memcpy(J.out, h, sizeof(T) * M * H);
 }
 
-// A linear the team can run: the kernel linear_any would pick for M rows (small_linear's rows, or int8_linear's)
+// A linear the team can run: the kernel linear_any would pick for M rows (small_linear's rows, or int8_linear's).
+// A 3-D w is a MoE block's stack of experts [E, O, K] (scales [E, O]); `out` is then expert 0's.
 bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
                     at::ScalarType t, int64_t M, int64_t max_rows, int64_t K, TeamLinear& out) {
-  if (w.dim() != 2 || w.size(1) != K || !w.is_contiguous()) return false;
-  const int64_t O = w.size(0);
+  if (w.dim() < 2 || w.dim() > 3 || w.size(-1) != K || !w.is_contiguous()) return false;
+  const int64_t O = w.size(-2), E = w.dim() == 3 ? w.size(0) : 1;
   if (w.scalar_type() == at::kChar) {
-    if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != O ||
+    if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
         !scale->is_contiguous() || !(max_rows < 0 || M <= kInt8KernelRows))
       return false;
     out.scale = scale->data_ptr<float>();
@@ -914,6 +971,7 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
   out.w = w.data_ptr();
   out.O = O;
   out.K = K;
+  out.elt = static_cast<int64_t>(w.element_size());
   return true;
 }
 
@@ -922,17 +980,19 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
 std::atomic<int64_t> team_runs{0};  // decode steps the team ran (the tests check that it did)
 int64_t decode_team_runs() { return team_runs.load(); }
 
-// Every layer of a dense decode step in one parallel region (see above); an undefined tensor where the step is
+// Every layer of a decode step in one parallel region (see above); an undefined tensor where the step is
 // outside what the team runs (then decode_layers runs the op-by-op calls, which say what is wrong, if anything).
 at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at::TensorList qkv_w,
                               at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos,
                               const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
                               const at::Tensor& slot_mapping, const at::Tensor& rows, const at::Tensor& kv_slots,
                               const at::Tensor& ctx_lens, at::TensorList o_w, at::TensorList o_b,
-                              at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b, at::IntArrayRef windows,
-                              double eps, double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s,
-                              at::TensorList mlp_a_s, at::TensorList mlp_b_s) {
+                              at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
+                              at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
+                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef moe_ks,
+                              at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize,
+                              int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
+                              at::TensorList mlp_b_s) {
 #if LLP_SIMD
   const at::ScalarType t = h_in.scalar_type();
   const bool float_t = t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
@@ -949,7 +1009,8 @@ at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at
     return w.dim() == 1 && w.size(0) == n && w.scalar_type() == t && w.is_contiguous();
   };
   TeamJob J;
-  J.M = M, J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0;
+  J.M = M, J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0, J.K = 0;
+  J.moe_normalize = moe_normalize, J.max_rows = max_rows, J.opts = h_in.options();
   J.eps = static_cast<float>(eps), J.qk_eps = static_cast<float>(qk_eps), J.scale = scale;
   const int64_t QKV = (hq + 2 * hk) * D, num_slots = k_caches[0].size(0);
   for (size_t i = 0; i < in_norm.size(); ++i) {
@@ -960,13 +1021,27 @@ at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at
       return {};
     if (!norm_ok(in_norm[i], H) || !norm_ok(post_norm[i], H)) return {};
     if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return {};
+    const int64_t mlp_dims = router.empty() ? 2 : 3;  // a MoE block's experts are [E, O, K] stacks
     if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, M, max_rows, H, L.qkv) || L.qkv.O != QKV ||
         !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, M, max_rows, hq * D, L.o) || L.o.O != H ||
-        mlp_b[i].dim() != 2 ||
+        mlp_a[i].dim() != mlp_dims || mlp_b[i].dim() != mlp_dims ||
         !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, M, max_rows, H, L.gate_up) ||
-        !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, M, max_rows, mlp_b[i].size(1), L.down) ||
+        !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, M, max_rows, mlp_b[i].size(-1), L.down) ||
         L.down.O != H || L.gate_up.O != 2 * L.down.K)
       return {};
+    if (!router.empty()) {
+      const int64_t E = mlp_a[i].size(0);
+      if (mlp_b[i].size(0) != E || router[i].dim() != 2 || router[i].size(0) != E || router[i].size(1) != H ||
+          router[i].scalar_type() != t || !router[i].is_contiguous() || moe_ks.size() != in_norm.size())
+        return {};
+      L.router = router[i];
+      L.experts = E;
+      L.moe_k = std::min<int64_t>(moe_ks[i], E);
+      if (L.moe_k < 1) return {};
+      if (!moe_top_k.empty()) L.top_k = moe_top_k[i];
+      if (!moe_allowed.empty()) L.allowed = moe_allowed[i];
+      J.K = std::max(J.K, L.moe_k);
+    }
     L.in_norm = in_norm[i].data_ptr();
     L.post_norm = post_norm[i].data_ptr();
     L.q_norm = q_norm.empty() ? nullptr : q_norm[i].data_ptr();
@@ -993,7 +1068,9 @@ at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at
   at::Tensor gu = at::empty({M, 2 * J.I}, h_in.options()), act = at::empty({M, J.I}, h_in.options());
   at::Tensor out = at::empty({M, H}, h_in.options());
   const int nt = std::max(1, at::get_num_threads());
-  at::Tensor priv = at::empty({nt, 3, M, H}, h_in.options());
+  at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
+  at::Tensor ys = at::empty({M * std::max<int64_t>(J.K, 1), H}, h_in.options());
+  J.ys = ys.data_ptr();
   J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
   J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
   J.out = out.data_ptr();
@@ -1009,7 +1086,7 @@ at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at
       bar.team = omp_get_num_threads();
       const int tid = omp_get_thread_num();
       try {
-        team_body<T>(J, tid, bar.team, bar, pp + static_cast<int64_t>(tid) * 3 * M * H);
+        team_body<T>(J, tid, bar.team, bar, pp + static_cast<int64_t>(tid) * 4 * M * H);
       } catch (...) {
         {
           std::lock_guard<std::mutex> g(err_mu);
@@ -1058,11 +1135,12 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
   TORCH_CHECK(router.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
   TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
   TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
-  if (team && router.empty()) {
+  if (team) {
     at::Tensor out = decode_layers_team(h_in, in_norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, k_caches, v_caches,
                                         slot_mapping, rows, kv_slots, ctx_lens, o_w, o_b, post_norm, mlp_a, mlp_b,
-                                        windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, max_rows,
-                                        qkv_s, o_s, mlp_a_s, mlp_b_s);
+                                        router, windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim,
+                                        moe_ks, moe_top_k, moe_allowed, moe_normalize, max_rows, qkv_s, o_s, mlp_a_s,
+                                        mlp_b_s);
     if (out.defined()) return out;
   }
   at::Tensor h = h_in;
