@@ -16,7 +16,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -40,6 +41,10 @@ from litellm_pipeline.telemetry import (
 )
 from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
+# the longest a step waits for a thread that asked for the lock before it to take it (that thread may be
+# descheduled; then the step goes ahead and the thread gets the lock after it)
+_HANDOFF_WAIT_S = 0.1
+
 log = logging.getLogger(__name__)
 
 
@@ -53,12 +58,34 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.bus = rt.bus
         self._lock = threading.RLock()
+        # Threads that want the lock from outside the step loop (abort, add_request, ...): the next step lets
+        # them in before it starts, so such a call waits for the step in progress at most. An RLock is not fair:
+        # a loop that steps back to back takes it again before a woken waiter runs, for as long as it steps.
+        self._waiting = 0
+        self._waiting_cv = threading.Condition(threading.Lock())
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(rt.seed)  # seeds of unseeded sampling requests
 
     @property
     def tokenizer(self):
         return self.rt.tokenizer
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The engine lock for a call that is not a step: the next step waits until this thread holds it."""
+        with self._waiting_cv:
+            self._waiting += 1
+        try:
+            self._lock.acquire()
+        finally:
+            with self._waiting_cv:
+                self._waiting -= 1
+                if not self._waiting:
+                    self._waiting_cv.notify_all()
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     # ---- request path -------------------------------------------------------------------------------
     def add_request(
@@ -72,7 +99,7 @@ class Engine:
         ids = self.rt.tokenizer.encode(spec.prompt) if isinstance(spec.prompt, str) else list(spec.prompt)
         req = Request(spec, ids, request_id=spec.request_id)
         bus = self.bus
-        with self._lock:
+        with self._locked():
             if bus.enabled:
                 bus.publish(RequestArrived(spec.request_id, spec.tenant, len(ids)))
             try:
@@ -124,6 +151,9 @@ class Engine:
         by one and only those that fail alone are finished with an error (``finish_reason="error"``); a
         request that can never be scheduled is finished with an error naming the blocks it needs.
         """
+        if self._waiting and not self._lock._is_owned():  # another thread waits for the lock: it goes first
+            with self._waiting_cv:
+                self._waiting_cv.wait_for(lambda: not self._waiting, timeout=_HANDOFF_WAIT_S)
         with self._lock, torch.inference_mode():
             t0 = time.perf_counter() if self.bus.enabled else 0.0
             schedule = self.rt.scheduler.schedule()
@@ -287,7 +317,7 @@ class Engine:
     # ---- control ------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request and free all its KV blocks at once; None if it is not in flight."""
-        with self._lock:
+        with self._locked():
             req = self.requests.pop(request_id, None)
             if req is None:
                 return None
@@ -305,9 +335,9 @@ class Engine:
 
     def end_session(self, session_id: str) -> bool:
         """Release a session's pinned KV now (it also expires after ``cache.session_ttl_s``)."""
-        with self._lock:
+        with self._locked():
             return self.rt.kv.end_session(session_id)
 
     def has_unfinished(self) -> bool:
-        with self._lock:
+        with self._locked():
             return self.rt.scheduler.has_unfinished()

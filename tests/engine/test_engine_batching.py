@@ -114,10 +114,14 @@ def test_thread_aborts_while_main_steps(make_llm):
     ids = [eng.add_request(p, victim_params if i == 1 else sp).request_id for i, p in enumerate(prompts)]
     eng.step()
     stepped = threading.Event()
+    steps = [0]
+    waited = []
 
     def aborter():
         stepped.wait(10)
+        before = steps[0]
         eng.abort(ids[1])
+        waited.append(steps[0] - before)
 
     t = threading.Thread(target=aborter)
     t.start()
@@ -126,9 +130,13 @@ def test_thread_aborts_while_main_steps(make_llm):
         for out in eng.step():
             if out.finished:
                 final[out.request_id] = out
+        steps[0] += 1
         stepped.set()
     t.join()
     assert ids[1] not in final
+    # the lock is handed over at the next step: the abort waited for the step in progress, not for a free moment
+    # between back-to-back steps (which an unfair lock may never give)
+    assert waited and waited[0] <= 2, waited
     for i in (0, 2):
         assert final[ids[i]].token_ids == alone(llm, prompts[i], sp).token_ids
     assert_pool_empty(llm)
