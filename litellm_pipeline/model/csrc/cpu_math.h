@@ -98,6 +98,17 @@ inline float exp_f(float x) {
   return p * s1 * s2;
 }
 
+// f(T{}) for the float dtype t of a kernel's tensors; any other dtype is an error naming the kernel
+template <typename F>
+void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
+  switch (t) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    default: TORCH_CHECK(false, name, ": dtype ", t, " not supported (float32, bfloat16, float16)");
+  }
+}
+
 // int8_linear.cpp's kernel: (x @ qw^T) * scale (+ bias), for the fused ops of layer_ops.cpp over int8 weights
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias);

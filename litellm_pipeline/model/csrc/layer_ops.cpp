@@ -384,15 +384,7 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), name, ": x and weight must share a dtype");
 }
 
-template <typename F>
-void dispatch_float_types(at::ScalarType t, const char* name, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, name, ": dtype ", t, " not supported (float32, bfloat16, float16)");
-  }
-}
+using llp::dispatch_float_types;
 
 // RMSNorm over the last dim of x (any leading shape, rows contiguous after reshape).
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
@@ -410,6 +402,13 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps) {
     });
   });
   return out;
+}
+
+// out = a + b, each sum rounded in T (torch's add in T)
+template <typename T>
+LLP_NO_CONTRACT inline void add_rows(const T* __restrict a, const T* __restrict b, T* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
 }
 
 // s = x + residual (rounded in dtype), and rms_norm(s): the residual add and the next norm in one pass.
@@ -431,8 +430,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
     at::parallel_for(0, n, row_grain(d), [&](int64_t b, int64_t e) {
       for (int64_t row = b; row < e; ++row) {
         const int64_t o = row * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) sp[o + i] = from_f<T>(to_f(xp[o + i]) + to_f(rp[o + i]));
+        add_rows<T>(xp + o, rp + o, sp + o, d);
         norm_row<T>(sp + o, wp, static_cast<float>(eps), op + o, d);
       }
     });
@@ -838,12 +836,6 @@ inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_
     llp::int8_rows<T>(x, static_cast<const int8_t*>(l.w), l.scale, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
   else
     linear_rows<T>(x, static_cast<const T*>(l.w), static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
-}
-
-template <typename T>
-LLP_NO_CONTRACT inline void add_rows(const T* __restrict a, const T* __restrict b, T* __restrict out, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = from_f<T>(to_f(a[i]) + to_f(b[i]));
 }
 
 // thread t of n; priv: this thread's [4, M, H] (the residual stream, the post-attention sum, a normed input, and

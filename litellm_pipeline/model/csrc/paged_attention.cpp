@@ -185,30 +185,36 @@ struct Job {
   Shape sh;
 };
 
+// Query i of sequence s over kv heads [h0, h0 + nh): one work item. ws: the item's scratch (item_scratch floats).
+template <typename T>
+void attend_item(const Job& jb, int64_t s, int64_t i, int64_t h0, float* ws) {
+  const Shape& sh = jb.sh;
+  const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
+  TORCH_CHECK(ctx >= jb.q_len && ctx <= jb.max_len, "paged_attention: ctx_len ", ctx, " outside [q_len, ",
+              jb.max_len, "]");
+  TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
+  const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
+  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
+  attend_fn(static_cast<const T*>(jb.q) + row * sh.q_s0, static_cast<T*>(jb.out) + row * sh.o_s0,
+            static_cast<const T*>(jb.kc), static_cast<const T*>(jb.vc), jb.slots + s * jb.slot_stride, begin, pos + 1,
+            h0, jb.scale, sh, ws);
+}
+
+inline size_t item_scratch(const Shape& sh) { return static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)); }
+
 template <typename T>
 void run(const Job& jb) {
   const Shape& sh = jb.sh;
   const int64_t splits = sh.hk / sh.nh, items = jb.num_seqs * splits * jb.q_len;
-  const T* qp = static_cast<const T*>(jb.q);
-  T* op = static_cast<T*>(jb.out);
-  const T* kp = static_cast<const T*>(jb.kc);
-  const T* vp = static_cast<const T*>(jb.vc);
   // items differ in cost (context lengths differ), so threads pull them from a shared counter instead of
   // taking parallel_for's equal contiguous ranges
-  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
   std::atomic<int64_t> next{0};
   const int64_t workers = std::min<int64_t>(items, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> ws(static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)));
+    std::vector<float> ws(item_scratch(sh));
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       const int64_t i = it % jb.q_len, part = (it / jb.q_len) % splits, s = it / (jb.q_len * splits);
-      const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
-      TORCH_CHECK(ctx >= jb.q_len && ctx <= jb.max_len, "paged_attention: ctx_len ", ctx, " outside [q_len, ",
-                  jb.max_len, "]");
-      TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
-      const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
-      attend_fn(qp + row * sh.q_s0, op + row * sh.o_s0, kp, vp, jb.slots + s * jb.slot_stride, begin, pos + 1,
-                part * sh.nh, jb.scale, sh, ws.data());
+      attend_item<T>(jb, s, i, part * sh.nh, ws.data());
     }
   });
 }
@@ -257,16 +263,6 @@ Job make_job(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, co
              static_cast<float>(scale), window, sh};
 }
 
-template <typename F>
-void dispatch_attention(at::ScalarType t, F&& f) {
-  switch (t) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    default: TORCH_CHECK(false, "paged_attention: dtype ", t, " not supported (float32, bfloat16, float16)");
-  }
-}
-
 // out[rows[s] + i] for i < q_len: query i of sequence s sits at position ctx_lens[s] - q_len + i and attends the
 // keys at positions (pos - window, pos] (window <= 0: all of [0, pos]) through slots[s, :ctx_lens[s]].
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -277,28 +273,17 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   if (S == 0) return;
   const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window,
                            heads_per_item(k_cache.size(1), S * q_len));
-  dispatch_attention(q.scalar_type(), [&](auto tag) { run<decltype(tag)>(job); });
+  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) { run<decltype(tag)>(job); });
 }
 
-// kv heads [h0, h1) of every query, all on the calling thread: paged_attention's arithmetic (a query head's
-// result does not depend on which heads share its work item), for callers that split heads over their threads.
+// every query over the job's kv heads from h0 (jb.sh.nh of them), all on the calling thread: paged_attention's
+// arithmetic (a query head's result does not depend on which heads share its work item), for callers that split
+// heads over their own threads
 template <typename T>
-void run_heads(const Job& jb, int64_t h0, int64_t h1) {
-  const Shape& sh = jb.sh;
-  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
-  std::vector<float> ws(static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)));
+void run_heads(const Job& jb, int64_t h0) {
+  std::vector<float> ws(item_scratch(jb.sh));
   for (int64_t s = 0; s < jb.num_seqs; ++s)
-    for (int64_t i = 0; i < jb.q_len; ++i) {
-      const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
-      TORCH_CHECK(ctx >= jb.q_len && ctx <= jb.max_len, "paged_attention: ctx_len ", ctx, " outside [q_len, ",
-                  jb.max_len, "]");
-      TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
-      const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
-      attend_fn(static_cast<const T*>(jb.q) + row * sh.q_s0, static_cast<T*>(jb.out) + row * sh.o_s0,
-                static_cast<const T*>(jb.kc), static_cast<const T*>(jb.vc), jb.slots + s * jb.slot_stride, begin,
-                pos + 1, h0, jb.scale, sh, ws.data());
-    }
-  (void)h1;
+    for (int64_t i = 0; i < jb.q_len; ++i) attend_item<T>(jb, s, i, h0, ws.data());
 }
 
 }  // namespace
@@ -315,7 +300,7 @@ void paged_attention_heads(at::Tensor out, const at::Tensor& q, const at::Tensor
                            double scale, int64_t window, int64_t h0, int64_t h1) {
   if (h1 <= h0 || slots.size(0) == 0) return;
   const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window, h1 - h0);
-  dispatch_attention(q.scalar_type(), [&](auto tag) { run_heads<decltype(tag)>(job, h0, h1); });
+  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) { run_heads<decltype(tag)>(job, h0); });
 }
 
 void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
