@@ -10,6 +10,7 @@ parameter counts), roofline, workload, engine_runs, peer (transformers, imported
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import sys
@@ -98,13 +99,34 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     bar.set_description(f"{tag}: engine workload")
     row["engine"] = engine_runs.run_workload(engine, items, on_finish=bar.update)
     mark("engine workload")
-    bar.set_description(f"{tag}: engine batch-1 decode")
     b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
     rl = s.roofline
     probe = lambda: gemv_bandwidth(rl.bandwidth_mb, min(rl.repeats, 3), torch.float32, device) / 1e9  # noqa: E731
-    row["batch1"] = engine_runs.batch1_decode(engine, b1, s.batch1_repeats, probe)
-    bar.update()
-    mark("engine batch-1")
+    with contextlib.ExitStack() as stack:
+        peers = _open_llamacpp_peers(row, path, s, items, b1, stack, bar, tag)
+        if peers:
+            mark("llama.cpp peers start")
+        runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}
+        runs.update({key: (lambda p=p: p.batch1_tpot(b1)) for key, p in peers.items()})
+        bar.set_description(f"{tag}: batch-1 decode" + (f" in rounds with {', '.join(_PEERS[k] for k in peers)}"
+                                                        if peers else ""))
+        got = engine_runs.batch1_rounds(runs, s.batch1_repeats, probe, fallible=set(peers))
+        row["batch1"] = {"prompt_len": len(b1.prompt_ids), "output_len": b1.output_len, **got.pop("engine"),
+                         "rounds_with": [_PEERS[k] for k in peers]}
+        bar.update()
+        mark("batch-1 decode")
+        for key, other in peers.items():
+            label, one = _PEERS[key], got[key]
+            try:
+                if "error" in one:
+                    raise RuntimeError(one["error"])
+                bar.set_description(f"{tag}: {label} mixed load")
+                row[key] = {**other.info(), "batch1_tok_s": one["tok_s"], "batch1_tpot_ms": one["tpot_ms"],
+                            "batch1_bandwidth_gbs_adjacent": one["bandwidth_gbs_adjacent"], **other.mixed(items)}
+            except Exception as exc:
+                row[key + "_error"] = f"{label} peer failed: {type(exc).__name__}: {exc}"
+            mark(f"{label} mixed load")
+        bar.update(s.num_requests if s.llamacpp else 0)  # the peers' starts were one unit each
     row["prefix"] = None
     if s.prefix_len:
         bar.set_description(f"{tag}: prefix-hit TTFT")
@@ -124,12 +146,6 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         mark("expert offload")
     else:
         bar.update(len(s.offload))
-    row["llamacpp"] = None
-    if s.llamacpp:
-        _measure_llamacpp(row, path, s, items, b1, bar, mark, tag)
-    row["llamacpp_server"] = None
-    if s.llamacpp_server:
-        _measure_llamacpp_server(row, path, s, items, b1, bar, mark, tag)
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
         bar.update(2 + s.num_requests + len(single_items))
@@ -158,34 +174,37 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     return row
 
 
-def _measure_peer(row: dict, key: str, label: str, why: str | None, units: int, bar: tqdm, mark, tag: str,
-                  run: Callable[[], dict]) -> None:
-    """``row[key] = run()`` for an optional peer, or ``row[key + "_error"]``: why it cannot run here, or how it
-    failed (a peer that fails is reported; the engine's numbers still count)."""
-    if why is None:
-        bar.set_description(f"{tag}: {label}")
+_PEERS = {"llamacpp": "llama.cpp", "llamacpp_server": "llama-server"}
+
+
+def _open_llamacpp_peers(row: dict, path: Path, s: BenchSettings, items, b1, stack: contextlib.ExitStack,
+                         bar: tqdm, tag: str) -> dict:
+    """Start the llama.cpp peers the settings ask for, each in a process of its own, on the same checkpoint and
+    precision with the engine's thread count; ``{row key: peer}`` for those that started. A peer that cannot run
+    here gets ``row[key + "_error"]`` saying why, one that fails to start says how; the engine's numbers still
+    count. Started peers stop when ``stack`` closes."""
+    threads, n_ctx, dtype = torch.get_num_threads(), llamacpp.context_need(items, b1), row["dtype"]
+    row["llamacpp"] = row["llamacpp_server"] = None
+    wanted = {}
+    if s.llamacpp:
+        wanted["llamacpp"] = (llamacpp.unavailable(), lambda: llamacpp.PeerProcess(path, dtype, threads, n_ctx,
+                                                                                    path.parent))
+    if s.llamacpp_server:
+        wanted["llamacpp_server"] = (llamacpp.server_unavailable(s.llamacpp_server),
+                                     lambda: llamacpp.open_server(s.llamacpp_server, path, dtype, threads,
+                                                                  s.llamacpp_server_slots, n_ctx, path.parent))
+    peers = {}
+    for key, (why, start) in wanted.items():
+        if why is not None:
+            row[key + "_error"] = why
+            continue
+        bar.set_description(f"{tag}: start {_PEERS[key]}")
         try:
-            row[key] = run()
+            peers[key] = stack.enter_context(start())
         except Exception as exc:
-            row[key + "_error"] = f"{label} peer failed: {type(exc).__name__}: {exc}"
-    else:
-        row[key + "_error"] = why
-    bar.update(units)
-    if why is None:
-        mark(label)
-
-
-def _measure_llamacpp(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
-    _measure_peer(row, "llamacpp", "llama.cpp", llamacpp.unavailable(), 1 + s.num_requests, bar, mark, tag,
-                  lambda: llamacpp.measure_in_subprocess(path, row["dtype"], items, b1, s.batch1_repeats,
-                                                         torch.get_num_threads(), path.parent))
-
-
-def _measure_llamacpp_server(row: dict, path: Path, s: BenchSettings, items, b1, bar: tqdm, mark, tag: str) -> None:
-    _measure_peer(row, "llamacpp_server", "llama-server", llamacpp.server_unavailable(s.llamacpp_server), 1, bar,
-                  mark, tag,
-                  lambda: llamacpp.measure_server(s.llamacpp_server, path, row["dtype"], items, b1, s.batch1_repeats,
-                                                  torch.get_num_threads(), s.llamacpp_server_slots, path.parent))
+            row[key + "_error"] = f"{_PEERS[key]} peer failed: {type(exc).__name__}: {exc}"
+    bar.update(len(wanted))
+    return peers
 
 
 def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from litellm_pipeline.bench.workload import WorkItem, latency_summary, random_ids
 from litellm_pipeline.sampling import SamplingParams
@@ -78,24 +78,59 @@ def run_workload(engine, items: Sequence[WorkItem], on_finish: Callable[[], None
     return metrics
 
 
-def batch1_decode(engine, item: WorkItem, repeats: int, probe: Callable[[], float] | None = None) -> dict:
-    """One request alone: output tokens/s after the first token (pure decode), best of ``repeats``.
+def batch1_tpot(engine, item: WorkItem) -> float:
+    """One request alone through ``engine``: seconds per output token after the first (pure decode)."""
+    (r,) = run_requests(engine, [item])
+    return (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
 
-    ``probe`` (read bandwidth in GB/s, measured now) runs before every repeat and after the last: on a shared
-    machine the bandwidth a neighbour leaves us drifts over a long bench, so the batch-1 run is also compared
-    with what the memory system delivered next to it (``bandwidth_gbs_adjacent``, the best probe).
+
+def batch1_rounds(runs: Mapping[str, Callable[[], float]], repeats: int, probe: Callable[[], float] | None = None,
+                  fallible: Collection[str] = ()) -> dict[str, dict]:
+    """Batch-1 decode of several engines, interleaved: ``repeats`` rounds, each running every engine once (seconds
+    per token from ``runs[name]()``), the order rotated from round to round; each engine's best run counts.
+
+    On a shared machine the bandwidth a neighbour leaves us drifts over minutes, so engines measured one after
+    the other can see different machines; in rounds they see the same one. ``probe`` (read bandwidth in GB/s,
+    measured now) runs before every run and after the last: each engine also gets ``bandwidth_gbs_adjacent``,
+    the best probe next to one of its runs. A name in ``fallible`` that raises gets ``{"error": ...}`` and
+    leaves the rounds; any other exception propagates.
     """
-    best = float("inf")
-    probes = []
-    for _ in range(repeats):
-        if probe is not None:
-            probes.append(probe())
-        (r,) = run_requests(engine, [item])
-        best = min(best, (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1))
-    if probe is not None:
-        probes.append(probe())
-    return {"prompt_len": len(item.prompt_ids), "output_len": item.output_len, "tpot_ms": best * 1e3,
-            "tok_s": 1.0 / max(best, 1e-9), "bandwidth_gbs_adjacent": max(probes) if probes else None}
+    names = list(runs)
+    best = {n: float("inf") for n in names}
+    near: dict[str, list[float]] = {n: [] for n in names}
+    errors: dict[str, str] = {}
+    last = probe() if probe is not None else None
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            if name in errors:
+                continue
+            before = last
+            try:
+                tpot = runs[name]()
+            except Exception as exc:
+                if name not in fallible:
+                    raise
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                continue
+            best[name] = min(best[name], tpot)
+            if probe is not None:
+                last = probe()
+                near[name] += [before, last]
+    out: dict[str, dict] = {}
+    for name in names:
+        if name in errors:
+            out[name] = {"error": errors[name]}
+        else:
+            out[name] = {"tpot_ms": best[name] * 1e3, "tok_s": 1.0 / max(best[name], 1e-9),
+                         "bandwidth_gbs_adjacent": max(near[name]) if near[name] else None}
+    return out
+
+
+def batch1_decode(engine, item: WorkItem, repeats: int, probe: Callable[[], float] | None = None) -> dict:
+    """One request alone: output tokens/s after the first token (pure decode), best of ``repeats``, with the
+    bandwidth probed next to the runs (see :func:`batch1_rounds`)."""
+    (one,) = batch1_rounds({"engine": lambda: batch1_tpot(engine, item)}, repeats, probe).values()
+    return {"prompt_len": len(item.prompt_ids), "output_len": item.output_len, **one}
 
 
 def prefix_ttft(engine, prefix_len: int, suffix_len: int, seed: int) -> dict:

@@ -10,10 +10,10 @@ layout, Mixtral experts stacked per layer as llama.cpp expects; Q/K rows permute
 convention, so the model computes what the checkpoint computes) with a placeholder vocabulary: prompts are
 token ids, never text.
 
-Each precision's peer runs in a child process (``measure_in_subprocess``). What is measured: batch-1 decode
-(the same prompt and length as the engine's batch-1 row; tokens/s after the first token, best of N) and the
-mixed workload one request at a time (``llama_cpp.Llama`` runs one sequence, so this understates llama.cpp on a
-mixed load).
+Each precision's peer runs in a child process of its own (``PeerProcess``). What is measured: batch-1 decode
+(the same prompt and length as the engine's batch-1 row; tokens/s after the first token, best of N, in rounds
+with the engine's own runs: see ``engine_runs.batch1_rounds``) and the mixed workload one request at a time
+(``llama_cpp.Llama`` runs one sequence, so this understates llama.cpp on a mixed load).
 
 ``bench.llamacpp_server=PATH`` (a ``llama-server`` binary built from llama.cpp, or a command on PATH) measures the
 mixed load the way llama.cpp serves it: the same GGUF in ``llama-server`` with ``bench.llamacpp_server_slots``
@@ -176,16 +176,6 @@ class Peer:
         return first - t0, last - first, count
 
 
-def measure_in_subprocess(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
-    """:func:`measure` in a fresh process: llama.cpp's threads, memory and mappings are gone when it returns, so
-    nothing of it runs beside the engine's next measurements."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(measure, path, precision, items, b1, repeats, threads, workdir).result()
-
-
 def ensure_gguf(path: Path, precision: str, workdir: Path) -> Path:
     """The checkpoint's GGUF in ``precision``'s format under ``workdir`` (written once, then reused)."""
     gguf_path = workdir / f"{path.name}-{GGUF_TYPES[precision]}.gguf"
@@ -194,20 +184,18 @@ def ensure_gguf(path: Path, precision: str, workdir: Path) -> Path:
     return gguf_path
 
 
-def _context_need(items, b1) -> int:
+def context_need(items, b1) -> int:
     return max(len(it.prompt_ids) + it.output_len for it in [*items, b1]) + 8
 
 
-def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
-    """Batch-1 decode and the mixed workload one at a time through llama.cpp (see the module doc)."""
-    gguf_path = ensure_gguf(path, precision, workdir)
-    need = _context_need(items, b1)
-    peer = Peer(gguf_path, threads, need)
-    peer.generate(b1.prompt_ids[:8], 4)  # warm up
-    best = float("inf")
-    for _ in range(repeats):
-        _, dt, n = peer.generate(b1.prompt_ids, b1.output_len)
-        best = min(best, dt / max(n - 1, 1))
+def _peer_batch1_tpot(peer: Peer, b1) -> float:
+    """One batch-1 run through ``peer`` (a :class:`Peer`): seconds per token after the first."""
+    _, dt, n = peer.generate(b1.prompt_ids, b1.output_len)
+    return dt / max(n - 1, 1)
+
+
+def _peer_mixed(peer: Peer, items) -> dict:
+    """The mixed workload through ``peer``, one request after the other."""
     t0 = time.perf_counter()
     out_tokens, ttft = 0, []
     for it in items:
@@ -215,10 +203,67 @@ def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, w
         out_tokens += n
         ttft.append(t_first)
     elapsed = time.perf_counter() - t0
-    return {"format": GGUF_TYPES[precision], "gguf_mb": gguf_path.stat().st_size / 2**20, "version": version(),
-            "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, "requests": len(items),
-            "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed,
-            "ttft_ms_p50": sorted(ttft)[len(ttft) // 2] * 1e3}
+    return {"requests": len(items), "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+            "elapsed_s": elapsed, "ttft_ms_p50": sorted(ttft)[len(ttft) // 2] * 1e3}
+
+
+_PEER: Peer | None = None  # the child process's peer (PeerProcess)
+
+
+def _child_load(gguf_path: Path, threads: int, n_ctx: int) -> None:
+    global _PEER
+    _PEER = Peer(gguf_path, threads, n_ctx)
+    _PEER.generate([1, 2, 3, 4, 5, 6, 7, 8], 4)  # warm up
+
+
+def _child_call(fn, *args):
+    return fn(_PEER, *args)
+
+
+class PeerProcess:
+    """A :class:`Peer` in a child process of its own, for the length of a ``with`` block: llama.cpp's threads,
+    memory and mappings live there and are gone when the block ends, and the engine can run between its calls
+    (the bench interleaves their batch-1 runs)."""
+
+    def __init__(self, path: Path, precision: str, threads: int, n_ctx: int, workdir: Path):
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.precision = precision
+        self.gguf_path = ensure_gguf(path, precision, workdir)
+        self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            self._pool.submit(_child_load, self.gguf_path, threads, n_ctx).result()
+        except BaseException:
+            self.close()
+            raise
+
+    def batch1_tpot(self, b1) -> float:
+        return self._pool.submit(_child_call, _peer_batch1_tpot, b1).result()
+
+    def mixed(self, items) -> dict:
+        return self._pool.submit(_child_call, _peer_mixed, items).result()
+
+    def info(self) -> dict:
+        return {"format": GGUF_TYPES[self.precision], "gguf_mb": self.gguf_path.stat().st_size / 2**20,
+                "version": version()}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "PeerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
+    """Batch-1 decode (best of ``repeats``) and the mixed workload one at a time through llama.cpp in a child
+    process (see the module doc)."""
+    with PeerProcess(path, precision, threads, context_need(items, b1), workdir) as peer:
+        best = min(peer.batch1_tpot(b1) for _ in range(repeats))
+        return {**peer.info(), "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, **peer.mixed(items)}
 
 
 # ------------------------------------------------------------------------------------------------ llama-server
@@ -249,7 +294,8 @@ class Server:
     """
 
     def __init__(self, binary: str, gguf_path: Path, threads: int, slots: int, ctx_per_slot: int, log: Path,
-                 startup_s: float = 180.0):
+                 startup_s: float = 180.0, fmt: str = ""):
+        self.format, self.slots = fmt, slots
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -293,6 +339,27 @@ class Server:
         except urllib.error.HTTPError as exc:
             raise RuntimeError(f"llama-server /completion: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
 
+    def batch1_tpot(self, b1) -> float:
+        """One batch-1 run: seconds per token after the first, from the server's own decode timing."""
+        t = self.complete(b1.prompt_ids, b1.output_len)["timings"]
+        return (t["predicted_ms"] / 1e3) / t["predicted_n"]
+
+    def mixed(self, items) -> dict:
+        """Every request of the mixed workload sent at once; output tokens over the wall time."""
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(items)) as pool:
+            answers = list(pool.map(lambda it: self.complete(it.prompt_ids, it.output_len), items))
+        elapsed = time.perf_counter() - t0
+        out_tokens = sum(int(a["tokens_predicted"]) for a in answers)
+        want = sum(it.output_len for it in items)
+        if out_tokens != want:
+            raise RuntimeError(f"llama-server produced {out_tokens} tokens, the workload asks for {want}")
+        return {"requests": len(items), "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed,
+                "elapsed_s": elapsed}
+
+    def info(self) -> dict:
+        return {"format": self.format, "slots": self.slots}
+
     def close(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -310,24 +377,24 @@ class Server:
         self.close()
 
 
-def measure_server(binary: str, path: Path, precision: str, items, b1, repeats: int, threads: int, slots: int,
-                   workdir: Path) -> dict:
-    """The mixed workload (all requests at once) and batch-1 decode through ``llama-server`` (see the module doc)."""
+def open_server(binary: str, path: Path, precision: str, threads: int, slots: int, n_ctx: int,
+                workdir: Path) -> Server:
+    """``llama-server`` on the checkpoint's GGUF in ``precision``'s format, ``n_ctx`` tokens per slot, warmed up."""
     gguf_path = ensure_gguf(path, precision, workdir)
     log = workdir / f"llama-server-{path.name}-{GGUF_TYPES[precision]}.log"
-    with Server(binary, gguf_path, threads, slots, _context_need(items, b1), log) as srv:
-        srv.complete(b1.prompt_ids[:8], 4)  # warm up
-        best = 0.0
-        for _ in range(repeats):
-            t = srv.complete(b1.prompt_ids, b1.output_len)["timings"]
-            best = max(best, t["predicted_n"] / (t["predicted_ms"] / 1e3))
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(items)) as pool:
-            answers = list(pool.map(lambda it: srv.complete(it.prompt_ids, it.output_len), items))
-        elapsed = time.perf_counter() - t0
-    out_tokens = sum(int(a["tokens_predicted"]) for a in answers)
-    want = sum(it.output_len for it in items)
-    if out_tokens != want:
-        raise RuntimeError(f"llama-server produced {out_tokens} tokens, the workload asks for {want}")
-    return {"format": GGUF_TYPES[precision], "slots": slots, "batch1_tok_s": best, "requests": len(items),
-            "output_tokens": out_tokens, "output_tok_s": out_tokens / elapsed, "elapsed_s": elapsed}
+    srv = Server(binary, gguf_path, threads, slots, n_ctx, log, fmt=GGUF_TYPES[precision])
+    try:
+        srv.complete([1, 2, 3, 4, 5, 6, 7, 8], 4)  # warm up
+    except BaseException:
+        srv.close()
+        raise
+    return srv
+
+
+def measure_server(binary: str, path: Path, precision: str, items, b1, repeats: int, threads: int, slots: int,
+                   workdir: Path) -> dict:
+    """Batch-1 decode (best of ``repeats``) and the mixed workload (all requests at once) through ``llama-server``
+    (see the module doc)."""
+    with open_server(binary, path, precision, threads, slots, context_need(items, b1), workdir) as srv:
+        best = min(srv.batch1_tpot(b1) for _ in range(repeats))
+        return {**srv.info(), "batch1_tok_s": 1.0 / best, **srv.mixed(items)}

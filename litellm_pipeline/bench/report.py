@@ -172,6 +172,8 @@ def llamacpp_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
     if slots:
         what.append(f"llama-server with {slots} slots and continuous batching (srv: the mixed load all at once "
                     "over HTTP; its b1: one request alone)")
+    if any(r["batch1"].get("rounds_with") for r in got):
+        what.append("batch-1 runs of the engine and the peers interleaved in rounds, best of each")
     return ["", f"llama.cpp on the same checkpoint as GGUF, same threads: {'; '.join(what)}; goals: batch-1 >= "
             f"{LLAMACPP_GOALS['batch1']}x, mixed >= {LLAMACPP_GOALS['mixed']}x (against srv where measured)",
             _table(["model", "precision", "gguf", "b1 tok/s", "llama.cpp b1", "x", "srv b1", "x", "mixed tok/s",

@@ -129,6 +129,39 @@ def test_batch1_bandwidth_fraction_uses_the_adjacent_measurement_for_the_target(
     assert "batch1_bandwidth_pct 50.00 (>= 70: MISSED by 29%)" in report.target_lines([row])[0]
 
 
+def test_batch1_rounds_interleave_engines_and_keep_each_ones_best_and_adjacent_probe():
+    """Every round runs every engine once, the order rotated; each engine keeps its best run and the best probe
+    taken right before or after one of its runs; a fallible engine that fails leaves the rounds with its error,
+    any other failure propagates."""
+    from litellm_pipeline.bench.engine_runs import batch1_rounds
+
+    calls: list[str] = []
+    times = {"a": iter([0.30, 0.10, 0.20]), "b": iter([0.05, 0.50, 0.40]), "c": iter([0.2, 0.2])}
+
+    def run(name):
+        def go():
+            calls.append(name)
+            if name == "c" and calls.count("c") == 2:
+                raise RuntimeError("peer went away")
+            return next(times[name])
+        return go
+
+    probes = iter(range(1, 100))
+    got = batch1_rounds({n: run(n) for n in "abc"}, 3, probe=lambda: float(next(probes)), fallible={"c"})
+    assert calls == ["a", "b", "c", "b", "c", "a", "a", "b"]  # c failed in round 2: it leaves the rounds
+    assert got["a"]["tpot_ms"] == pytest.approx(100.0) and got["a"]["tok_s"] == pytest.approx(10.0)
+    assert got["b"]["tpot_ms"] == pytest.approx(50.0)
+    assert got["c"] == {"error": "RuntimeError: peer went away"}
+    # probes: 1 before the first run, then one after every run that finished (c's failure took none):
+    # a ran between probes 1-2, 5-6 and 6-7; b between 2-3, 4-5 and 7-8
+    assert got["a"]["bandwidth_gbs_adjacent"] == 7.0 and got["b"]["bandwidth_gbs_adjacent"] == 8.0
+    with pytest.raises(RuntimeError, match="peer went away"):
+        calls.clear()
+        batch1_rounds({"a": lambda: 0.1, "c": run("c")}, 3)
+    assert batch1_rounds({"a": lambda: 0.25}, 2) == {"a": {"tpot_ms": 250.0, "tok_s": 4.0,
+                                                          "bandwidth_gbs_adjacent": None}}
+
+
 def test_int8_bytes_per_token_equal_the_quantized_model(tmp_path):
     """The int8 roofline counts what the cpu_int8 model holds: int8 projections (and head) plus float32 scales,
     the rest in the activation dtype; float precisions count every active weight at their width."""
@@ -276,10 +309,12 @@ def test_tiny_bench_with_the_llamacpp_peer_runs_it_or_says_why_not(tmp_path):
     (row,) = data["results"]
     if row["llamacpp"] is None:
         assert "not installed" in row["llamacpp_error"] and row["llamacpp_error"] in data["_stdout"]
+        assert row["batch1"]["rounds_with"] == [] and _positive(row["batch1"]["tok_s"])
     else:
         lc = row["llamacpp"]
         assert lc["format"] == "Q8_0" and lc["requests"] == 4 and lc["output_tokens"] == row["engine"]["output_tokens"]
         assert _positive(lc["batch1_tok_s"]) and _positive(lc["output_tok_s"])
+        assert row["batch1"]["rounds_with"] == ["llama.cpp"] and _positive(lc["batch1_bandwidth_gbs_adjacent"])
         assert "llama.cpp on the same checkpoint as GGUF" in data["_stdout"] and "llama-cpp-python" in data["_stdout"]
 
 
@@ -417,8 +452,10 @@ def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
     pytest.importorskip("gguf")
     fake, log = _fake_server(tmp_path)
     tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
+    tiny = [o for o in tiny if not o.startswith("bench.batch1_")]
     data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32]", "bench.peer=false",
-                         f"bench.llamacpp_server={fake}", "bench.llamacpp_server_slots=3", *tiny)
+                         f"bench.llamacpp_server={fake}", "bench.llamacpp_server_slots=3", "bench.batch1_repeats=2",
+                         "bench.batch1_prompt_len=9", "bench.batch1_output_len=5", *tiny)
     (row,) = data["results"]
     sv = row["llamacpp_server"]
     assert sv is not None, row.get("llamacpp_server_error")
@@ -426,10 +463,14 @@ def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
     assert sv["format"] == "F32" and sv["slots"] == 3 and sv["requests"] == 4
     assert sv["output_tokens"] == row["engine"]["output_tokens"] == sum(it.output_len for it in items)
     assert sv["batch1_tok_s"] == pytest.approx(500.0)  # the stand-in's timing: 2 ms per token
+    # batch-1 ran in rounds with the engine's own, each with a bandwidth probe next to it
+    assert row["batch1"]["rounds_with"] == ["llama-server"]
+    assert _positive(sv["batch1_bandwidth_gbs_adjacent"]) and _positive(row["batch1"]["bandwidth_gbs_adjacent"])
     seen = json.loads(log.read_text())
     argv = seen["argv"]
     assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-m") + 1].endswith("-F32.gguf")
     assert seen["max_in_flight"] == 3  # all sent at once, capped by the server's slots
+    assert seen["requests"][1:3] == [[9, 5], [9, 5]]  # after the warm-up: the two batch-1 runs
     assert sorted(seen["requests"][-4:]) == sorted([len(it.prompt_ids), it.output_len] for it in items)
     assert "srv mixed" in data["_stdout"] and "llama-server with 3 slots" in data["_stdout"]
 
