@@ -258,14 +258,6 @@ class PeerProcess:
         self.close()
 
 
-def measure(path: Path, precision: str, items, b1, repeats: int, threads: int, workdir: Path) -> dict:
-    """Batch-1 decode (best of ``repeats``) and the mixed workload one at a time through llama.cpp in a child
-    process (see the module doc)."""
-    with PeerProcess(path, precision, threads, context_need(items, b1), workdir) as peer:
-        best = min(peer.batch1_tpot(b1) for _ in range(repeats))
-        return {**peer.info(), "batch1_tok_s": 1.0 / best, "batch1_tpot_ms": best * 1e3, **peer.mixed(items)}
-
-
 # ------------------------------------------------------------------------------------------------ llama-server
 
 

@@ -2,7 +2,8 @@
 
 A 2-core box shared with anything else gives meaningless numbers (OpenMP threads stall when one core is
 taken), so every phase records how many cores *other* processes used: total busy CPU time from
-``/proc/stat`` minus this process's own CPU time, over the phase's wall time.
+``/proc/stat`` minus the CPU time of this process and the processes it started (the llama.cpp peers), over the
+phase's wall time.
 """
 
 from __future__ import annotations
@@ -25,8 +26,35 @@ def _total_busy_s() -> float | None:
 
 
 def _own_cpu_s() -> float:
+    """CPU time of this process and everything it started: its reaped children's (``os.times``) and its live
+    descendants' (``/proc``), such as the llama.cpp peers it runs beside the engine."""
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + _live_descendants_cpu_s()
+
+
+def _live_descendants_cpu_s() -> float:
+    """utime + stime (and their own reaped children's) of every live process below this one (Linux; else 0)."""
+    parent, cpu = {}, {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                # after "(comm)": state ppid ... utime(12) stime(13) cutime(14) cstime(15), counted from state=0
+                rest = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        parent[pid] = int(rest[1])
+        cpu[pid] = sum(int(x) for x in rest[11:15])
+    below, todo = [], [os.getpid()]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        below += kids
+        todo += kids
+    return sum(cpu[c] for c in below) / os.sysconf("SC_CLK_TCK")
 
 
 def loadavg() -> list[float] | None:

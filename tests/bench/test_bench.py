@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -160,6 +161,23 @@ def test_batch1_rounds_interleave_engines_and_keep_each_ones_best_and_adjacent_p
         batch1_rounds({"a": lambda: 0.1, "c": run("c")}, 3)
     assert batch1_rounds({"a": lambda: 0.25}, 2) == {"a": {"tpot_ms": 250.0, "tok_s": 4.0,
                                                           "bandwidth_gbs_adjacent": None}}
+
+
+def test_cpu_monitor_counts_the_processes_the_bench_started_as_its_own():
+    """A peer process still running when a phase closes (the llama.cpp peers between the engine's batch-1 runs) is
+    the bench's own load, not another process's: a busy machine would be flagged otherwise."""
+    from litellm_pipeline.bench.machine import CpuMonitor
+
+    mon = CpuMonitor()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                              "while time.process_time() - t < 3: pass"])
+    try:
+        time.sleep(1.0)
+        phase = mon.mark("child spinning")
+    finally:
+        child.kill()
+        child.wait()
+    assert phase["own_cores"] > 0.5, phase
 
 
 def test_int8_bytes_per_token_equal_the_quantized_model(tmp_path):
