@@ -96,9 +96,6 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
     mark("engine build+warmup")
-    bar.set_description(f"{tag}: engine workload")
-    row["engine"] = engine_runs.run_workload(engine, items, on_finish=bar.update)
-    mark("engine workload")
     b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
     rl = s.roofline
     probe = lambda: gemv_bandwidth(rl.bandwidth_mb, min(rl.repeats, 3), torch.float32, device) / 1e9  # noqa: E731
@@ -106,6 +103,15 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         peers = _open_llamacpp_peers(row, path, s, items, b1, stack, bar, tag)
         if peers:
             mark("llama.cpp peers start")
+        # the mixed workload: the engine and llama-server in rounds (llama-cpp-python's one-by-one run comes later)
+        ticks = iter([bar.update])  # the engine's first run moves the progress bar, one step per request
+        work = {"engine": lambda: engine_runs.run_workload(engine, items, on_finish=next(ticks, None))}
+        if "llamacpp_server" in peers:
+            work["llamacpp_server"] = lambda: peers["llamacpp_server"].mixed(items)
+        bar.set_description(f"{tag}: mixed workload" + (" in rounds with llama-server" if len(work) > 1 else ""))
+        mixed = engine_runs.rounds(work, s.workload_repeats, lambda m: m["output_tok_s"], fallible=set(peers))
+        row["engine"] = {**mixed.pop("engine"), "rounds_with": [_PEERS[k] for k in mixed]}
+        mark("mixed workload")
         runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}
         runs.update({key: (lambda p=p: p.batch1_tpot(b1)) for key, p in peers.items()})
         bar.set_description(f"{tag}: batch-1 decode" + (f" in rounds with {', '.join(_PEERS[k] for k in peers)}"
@@ -118,14 +124,19 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         for key, other in peers.items():
             label, one = _PEERS[key], got[key]
             try:
-                if "error" in one:
-                    raise RuntimeError(one["error"])
-                bar.set_description(f"{tag}: {label} mixed load")
+                for what in (mixed.get(key), one):
+                    if what is not None and "error" in what:
+                        raise RuntimeError(what["error"])
+                if key == "llamacpp":
+                    bar.set_description(f"{tag}: {label} mixed load one request at a time")
+                    work_out = other.mixed(items)
+                    mark(f"{label} mixed load")
+                else:
+                    work_out = mixed[key]
                 row[key] = {**other.info(), "batch1_tok_s": one["tok_s"], "batch1_tpot_ms": one["tpot_ms"],
-                            "batch1_bandwidth_gbs_adjacent": one["bandwidth_gbs_adjacent"], **other.mixed(items)}
+                            "batch1_bandwidth_gbs_adjacent": one["bandwidth_gbs_adjacent"], **work_out}
             except Exception as exc:
                 row[key + "_error"] = f"{label} peer failed: {type(exc).__name__}: {exc}"
-            mark(f"{label} mixed load")
         bar.update(s.num_requests if s.llamacpp else 0)  # the peers' starts were one unit each
     row["prefix"] = None
     if s.prefix_len:
