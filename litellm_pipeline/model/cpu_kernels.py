@@ -144,6 +144,11 @@ def ops():
     return _ops
 
 
+def loaded():
+    """The op namespace if it is built already (by a caller of :func:`ops`), else None; never builds."""
+    return _ops
+
+
 def reason(exc: BaseException) -> str:
     """One line: the exception's first line plus the compiler's first ``error:`` line when there is one."""
     lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -135,6 +135,7 @@ class RotaryEmbedding:
         inv_freq, self.attention_scaling = _inv_freq(head_dim, params, max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
         self._cos = self._sin = None  # [N, head_dim // 2] float32, already times attention_scaling
+        self._full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # [N, head_dim] per dtype asked for
         if self.rope_type != "dynamic":
             n = max_position_embeddings
             if self.rope_type in ("linear", "yarn") and params.get("factor"):
@@ -148,6 +149,7 @@ class RotaryEmbedding:
             return
         positions = torch.arange(num_positions, device=self.device)
         self._cos, self._sin = self._half_cos_sin(positions, self.inv_freq)
+        self._full.clear()
 
     def _half_cos_sin(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         # transformers: cat((freqs, freqs)).cos() * scale; both halves are equal, so the tables keep one
@@ -165,9 +167,14 @@ class RotaryEmbedding:
         """
         if self.rope_type == "dynamic":
             cos, sin = self._dynamic_half_cos_sin(positions, seq_lens)
-        else:
-            cos, sin = self._cos.index_select(0, positions), self._sin.index_select(0, positions)
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+            return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+        # whole-width tables in the dtype, made once: a decode step then costs two index_selects (the same values:
+        # concatenating and rounding commute)
+        full = self._full.get(dtype)
+        if full is None:
+            full = self._full[dtype] = (torch.cat((self._cos, self._cos), dim=-1).to(dtype),
+                                        torch.cat((self._sin, self._sin), dim=-1).to(dtype))
+        return full[0].index_select(0, positions), full[1].index_select(0, positions)
 
     def _dynamic_half_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         if seq_lens is None:

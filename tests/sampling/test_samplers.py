@@ -58,6 +58,49 @@ def test_greedy_tie_lowest_id_and_greedy_sampler_ignores_params():
     assert GreedySampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
 
 
+def _special_rows(vocab: int = 1000) -> torch.Tensor:
+    """Rows where a first maximum is easy to get wrong: ties, NaNs, -inf everywhere, +-0, +inf."""
+    x = _logits(8, vocab, seed=3)
+    x[1, 7] = x[1, 900] = x[1].max() + 1  # a tie: the lower id
+    x[2, 40] = x[2, 13] = float("nan")  # NaNs win, the first one
+    x[3] = float("-inf")  # all -inf: id 0
+    x[4] = -1.0
+    x[4, 5], x[4, 9] = -0.0, 0.0  # -0.0 == 0.0: the first of them
+    x[5, 999] = float("inf")
+    x[6, 0] = float("nan")
+    x[7, 998] = x[7].max() + 5  # in the last vector's tail
+    return x
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_greedy_picks_the_first_maximum_as_torch_max_does(kernel, monkeypatch):
+    """Greedy rows take torch.max's index (first maximum, NaN first), through the C++ kernel when the engine built
+    it and through torch otherwise."""
+    from litellm_pipeline.model import cpu_kernels
+
+    if kernel:
+        try:
+            cpu_kernels.ops()
+        except Exception as exc:
+            pytest.skip(f"C++ kernels unavailable: {exc}")
+        assert cpu_kernels.loaded() is not None
+    else:
+        monkeypatch.setattr(cpu_kernels, "loaded", lambda: None)
+    for vocab in (1000, 7, 32000):
+        x = _special_rows(1000) if vocab == 1000 else _logits(4, vocab, seed=vocab)
+        want = x.max(-1).indices.tolist()
+        rows = [_row(SamplingParams(temperature=0)) for _ in range(x.shape[0])]
+        assert Sampler()(x, rows).token_ids == want and GreedySampler()(x, rows).token_ids == want
+        if kernel:
+            assert cpu_kernels.loaded().argmax_rows(x).tolist() == want
+    x = _special_rows()
+    assert x.max(-1).indices.tolist()[1:7] == [7, 13, 0, 5, 999, 0]  # the cases above are what they claim
+    mixed = [_row(SamplingParams(temperature=0)) if i % 2 else _row(SamplingParams(temperature=1.0, seed=i))
+             for i in range(8)]
+    got = Sampler()(x.nan_to_num(nan=50.0), mixed).token_ids  # greedy rows among sampled ones
+    assert [got[i] for i in range(1, 8, 2)] == [x.nan_to_num(nan=50.0)[i].max(-1).indices.item() for i in range(1, 8, 2)]
+
+
 def test_top_k_one_and_tiny_top_p_equal_argmax():
     logits = _logits(6, seed=1)
     expect = logits.argmax(-1).tolist()

@@ -59,6 +59,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -361,6 +362,36 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
 // small_linear's and from torch's GEMM.
 at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
   return linear_kernel(x, w, bias, LLP_DPBF16 && x.scalar_type() == at::kBFloat16);
+}
+
+// The index of each row's first maximum in a float32 [R, V] tensor, a NaN counting as the maximum (the first
+// NaN's index): torch.max(x, -1).indices, for the greedy sampler, as two vectorised passes over the row (its
+// maximum and whether it holds a NaN, then the first place it occurs) instead of one pass tracking indices.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0 && x.device().is_cpu(),
+              "argmax_rows: a float32 CPU tensor [rows, n > 0] expected, got ", x.scalar_type(), " ", x.sizes());
+  const at::Tensor c = x.contiguous();
+  const int64_t R = c.size(0), V = c.size(1);
+  at::Tensor out = at::empty({R}, c.options().dtype(at::kLong));
+  const float* p = c.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = p + r * V;
+    float m = -std::numeric_limits<float>::infinity();
+    int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = 0; i < V; ++i) {
+      m = std::max(m, row[i]);
+      nan |= row[i] != row[i];
+    }
+    int64_t i = 0;
+    if (nan)
+      while (row[i] == row[i]) ++i;
+    else
+      while (row[i] != m) ++i;
+    o[r] = i;
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------- elementwise
@@ -1167,6 +1198,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("native_fp16_gemm", &native_fp16_gemm);
   m.def("decode_team_runs", &decode_team_runs);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
@@ -1197,6 +1229,7 @@ TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
   m.impl("row_linear", &row_linear);
   m.impl("rms_norm", &rms_norm);
+  m.impl("argmax_rows", &argmax_rows);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rotary_", &rotary_);
