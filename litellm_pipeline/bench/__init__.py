@@ -103,13 +103,13 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         peers = _open_llamacpp_peers(row, path, s, items, b1, stack, bar, tag)
         if peers:
             mark("llama.cpp peers start")
-        # the mixed workload: the engine and llama-server in rounds (llama-cpp-python's one-by-one run comes later)
-        ticks = iter([bar.update])  # the engine's first run moves the progress bar, one step per request
-        work = {"engine": lambda: engine_runs.run_workload(engine, items, on_finish=next(ticks, None))}
+        # the mixed workload through the engine and llama-server back to back (llama-cpp-python's one-by-one run
+        # comes later). Once each: a second engine run would find every prompt in its prefix cache.
+        work = {"engine": lambda: engine_runs.run_workload(engine, items, on_finish=bar.update)}
         if "llamacpp_server" in peers:
             work["llamacpp_server"] = lambda: peers["llamacpp_server"].mixed(items)
-        bar.set_description(f"{tag}: mixed workload" + (" in rounds with llama-server" if len(work) > 1 else ""))
-        mixed = engine_runs.rounds(work, s.workload_repeats, lambda m: m["output_tok_s"], fallible=set(peers))
+        bar.set_description(f"{tag}: mixed workload" + (", then llama-server's" if len(work) > 1 else ""))
+        mixed = engine_runs.rounds(work, 1, lambda m: m["output_tok_s"], fallible=set(peers))
         row["engine"] = {**mixed.pop("engine"), "rounds_with": [_PEERS[k] for k in mixed]}
         mark("mixed workload")
         runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}

@@ -46,7 +46,6 @@ class BenchSettings(_Section):
     batch1_prompt_len: int = Field(default=32, ge=1)
     batch1_output_len: int = Field(default=128, ge=2)
     batch1_repeats: int = Field(default=3, ge=1)  # rounds of batch-1 decode (engine and llama.cpp peers), best of each
-    workload_repeats: int = Field(default=1, ge=1)  # rounds of the mixed workload (engine and llama-server), best of each
     warmup: int = Field(default=2, ge=0)  # small untimed requests before each timed part
     roofline: RooflineSettings = RooflineSettings()
     engine: dict[str, Any] = {}  # extra config overrides for the engine under test, dotted keys

@@ -473,7 +473,7 @@ def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
     tiny = [o for o in tiny if not o.startswith("bench.batch1_")]
     data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32]", "bench.peer=false",
                          f"bench.llamacpp_server={fake}", "bench.llamacpp_server_slots=3", "bench.batch1_repeats=2",
-                         "bench.batch1_prompt_len=9", "bench.batch1_output_len=5", "bench.workload_repeats=2", *tiny)
+                         "bench.batch1_prompt_len=9", "bench.batch1_output_len=5", *tiny)
     (row,) = data["results"]
     sv = row["llamacpp_server"]
     assert sv is not None, row.get("llamacpp_server_error")
@@ -481,18 +481,18 @@ def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
     assert sv["format"] == "F32" and sv["slots"] == 3 and sv["requests"] == 4
     assert sv["output_tokens"] == row["engine"]["output_tokens"] == sum(it.output_len for it in items)
     assert sv["batch1_tok_s"] == pytest.approx(500.0)  # the stand-in's timing: 2 ms per token
-    # the mixed load and batch-1 ran in rounds with the engine's own, batch-1 with a bandwidth probe next to each run
+    # the mixed load right after the engine's, batch-1 in rounds with the engine's, a bandwidth probe next to each run
     assert row["engine"]["rounds_with"] == ["llama-server"] and row["batch1"]["rounds_with"] == ["llama-server"]
+    assert row["engine"]["prefix_hit_tokens"] == 0  # the workload ran once: no prompt was in the cache
     assert _positive(sv["batch1_bandwidth_gbs_adjacent"]) and _positive(row["batch1"]["bandwidth_gbs_adjacent"])
     seen = json.loads(log.read_text())
     argv = seen["argv"]
     assert argv[argv.index("-np") + 1] == "3" and argv[argv.index("-m") + 1].endswith("-F32.gguf")
     assert seen["max_in_flight"] == 3  # all sent at once, capped by the server's slots
     want = sorted([len(it.prompt_ids), it.output_len] for it in items)
-    # after the warm-up: the workload twice (two rounds), then the two batch-1 runs
-    assert len(seen["requests"]) == 1 + 4 + 4 + 2
-    assert sorted(seen["requests"][1:5]) == want and sorted(seen["requests"][5:9]) == want
-    assert seen["requests"][9:] == [[9, 5], [9, 5]]
+    # after the warm-up: the workload, then the two batch-1 runs
+    assert len(seen["requests"]) == 1 + 4 + 2
+    assert sorted(seen["requests"][1:5]) == want and seen["requests"][5:] == [[9, 5], [9, 5]]
     assert "srv mixed" in data["_stdout"] and "llama-server with 3 slots" in data["_stdout"]
 
 
