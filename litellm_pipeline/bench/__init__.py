@@ -103,14 +103,18 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         peers = _open_llamacpp_peers(row, path, s, items, b1, stack, bar, tag)
         if peers:
             mark("llama.cpp peers start")
-        # the mixed workload through the engine and llama-server back to back (llama-cpp-python's one-by-one run
-        # comes later). Once each: a second engine run would find every prompt in its prefix cache.
-        work = {"engine": lambda: engine_runs.run_workload(engine, items, on_finish=bar.update)}
+        # the mixed workload through the engine, then llama-server right after it (llama-cpp-python's one-by-one
+        # run comes later). Once each: a second engine run would find every prompt in its prefix cache.
+        bar.set_description(f"{tag}: mixed workload")
+        row["engine"] = engine_runs.run_workload(engine, items, on_finish=bar.update)
+        mixed = {}
         if "llamacpp_server" in peers:
-            work["llamacpp_server"] = lambda: peers["llamacpp_server"].mixed(items)
-        bar.set_description(f"{tag}: mixed workload" + (", then llama-server's" if len(work) > 1 else ""))
-        mixed = engine_runs.rounds(work, 1, lambda m: m["output_tok_s"], fallible=set(peers))
-        row["engine"] = {**mixed.pop("engine"), "rounds_with": [_PEERS[k] for k in mixed]}
+            bar.set_description(f"{tag}: llama-server mixed workload")
+            try:
+                mixed["llamacpp_server"] = peers["llamacpp_server"].mixed(items)
+            except Exception as exc:
+                mixed["llamacpp_server"] = {"error": f"{type(exc).__name__}: {exc}"}
+        row["engine"]["rounds_with"] = [_PEERS[k] for k in mixed]  # the peers measured right next to it
         mark("mixed workload")
         runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}
         runs.update({key: (lambda p=p: p.batch1_tpot(b1)) for key, p in peers.items()})

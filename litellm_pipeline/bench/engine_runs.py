@@ -84,20 +84,20 @@ def batch1_tpot(engine, item: WorkItem) -> float:
     return (r.finish_time - r.first_token_time) / (len(r.output_ids) - 1)
 
 
-def rounds(runs: Mapping[str, Callable[[], dict]], repeats: int, score: Callable[[dict], float],
-           probe: Callable[[], float] | None = None, fallible: Collection[str] = ()) -> dict[str, dict]:
-    """Several engines measured in interleaved rounds: ``repeats`` rounds, each running every engine once
-    (``runs[name]()`` returns its measurement), the order rotated from round to round; each engine keeps the
-    measurement with the highest ``score``.
+def batch1_rounds(runs: Mapping[str, Callable[[], float]], repeats: int, probe: Callable[[], float] | None = None,
+                  fallible: Collection[str] = ()) -> dict[str, dict]:
+    """Batch-1 decode of several engines in interleaved rounds: ``repeats`` rounds, each running every engine once
+    (``runs[name]()`` returns seconds per token after the first), the order rotated from round to round; each
+    engine's fastest run counts (``tpot_ms``, ``tok_s``).
 
     On a shared machine the bandwidth a neighbour leaves us drifts over minutes, so engines measured one after
     the other can see different machines; in rounds they see the same one. ``probe`` (read bandwidth in GB/s,
-    measured now) runs before every run and after the last: each engine's result then also gets
-    ``bandwidth_gbs_adjacent``, the best probe next to one of its runs. A name in ``fallible`` that raises gets
+    measured now) runs before every run and after the last: each engine also gets ``bandwidth_gbs_adjacent``, the
+    best probe next to one of its runs (None without a probe). A name in ``fallible`` that raises gets
     ``{"error": ...}`` and leaves the rounds; any other exception propagates.
     """
     names = list(runs)
-    best: dict[str, dict] = {}
+    best = dict.fromkeys(names, float("inf"))
     near: dict[str, list[float]] = {n: [] for n in names}
     errors: dict[str, str] = {}
     last = probe() if probe is not None else None
@@ -107,39 +107,19 @@ def rounds(runs: Mapping[str, Callable[[], dict]], repeats: int, score: Callable
                 continue
             before = last
             try:
-                got = runs[name]()
+                tpot = runs[name]()
             except Exception as exc:
                 if name not in fallible:
                     raise
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 continue
-            if name not in best or score(got) > score(best[name]):
-                best[name] = got
+            best[name] = min(best[name], tpot)
             if probe is not None:
                 last = probe()
                 near[name] += [before, last]
-    out = {}
-    for name in names:
-        if name in errors:
-            out[name] = {"error": errors[name]}
-        else:
-            out[name] = best[name] if probe is None else {**best[name], "bandwidth_gbs_adjacent": max(near[name])}
-    return out
-
-
-def batch1_rounds(runs: Mapping[str, Callable[[], float]], repeats: int, probe: Callable[[], float] | None = None,
-                  fallible: Collection[str] = ()) -> dict[str, dict]:
-    """Batch-1 decode of several engines in :func:`rounds`: ``runs[name]()`` returns seconds per token after the
-    first; each engine's fastest run counts (``tpot_ms``, ``tok_s``, ``bandwidth_gbs_adjacent``: None without a
-    probe)."""
-    def timed(run: Callable[[], float]) -> Callable[[], dict]:
-        def one() -> dict:
-            tpot = run()
-            return {"tpot_ms": tpot * 1e3, "tok_s": 1.0 / max(tpot, 1e-9)}
-        return one
-
-    got = rounds({n: timed(f) for n, f in runs.items()}, repeats, lambda m: m["tok_s"], probe, fallible)
-    return {n: r if "error" in r else {"bandwidth_gbs_adjacent": None, **r} for n, r in got.items()}
+    return {name: {"error": errors[name]} if name in errors else
+            {"tpot_ms": best[name] * 1e3, "tok_s": 1.0 / max(best[name], 1e-9),
+             "bandwidth_gbs_adjacent": max(near[name]) if near[name] else None} for name in names}
 
 
 def batch1_decode(engine, item: WorkItem, repeats: int, probe: Callable[[], float] | None = None) -> dict:
