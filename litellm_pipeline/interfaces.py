@@ -245,8 +245,9 @@ class FusedLayerOps(LayerOps, Protocol):
 
     def decode_layers(self, model: Any, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       meta: AttentionMetadata, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                      plan: Any) -> torch.Tensor | None:
-        """Every layer of a decode-only step in one call -> the final hidden states ``[T, H]``, or None."""
+                      plan: Any, logits: bool = False) -> torch.Tensor | None:
+        """Every layer of a decode-only step in one call -> the final hidden states ``[T, H]``, or None; with
+        ``logits`` the float32 logits ``[T, V]`` instead (what ``model.compute_logits`` gives of those states)."""
 
     def moe_experts(self, x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor,
                     w2: torch.Tensor) -> torch.Tensor | None:

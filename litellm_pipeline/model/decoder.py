@@ -142,18 +142,21 @@ class CausalLM(nn.Module):
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         plan: RoutePlan | tuple[RoutePlan | None, ...] | None = None,
         rope_seq_lens: torch.Tensor | None = None,
+        logits: bool = False,
     ) -> torch.Tensor:
-        """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`)."""
+        """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`), or with
+        ``logits`` the float32 logits of every row [T, V] (``compute_logits`` of them: a decode step whose rows
+        all sample, which the fused decode path then runs through the LM head without leaving its kernels)."""
         h = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
         layered = isinstance(plan, tuple)  # one plan per layer (per-layer TierSets in the batch)
         if self.fused_decode_layers is not None and meta.decode_only:
-            out = self.fused_decode_layers(self, h, cos, sin, meta, kv_caches, plan)
+            out = self.fused_decode_layers(self, h, cos, sin, meta, kv_caches, plan, logits=logits)
             if out is not None:
                 return out
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = layer(h, cos, sin, meta, k_cache, v_cache, plan[i] if layered else plan)
-        return h
+        return self.compute_logits(h) if logits else h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

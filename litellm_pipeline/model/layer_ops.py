@@ -12,8 +12,9 @@ layer of the model. Its methods:
 * ``route(x, gate, native_k, normalize, plan)`` — a MoE router: ``(expert_idx, expert_w)``
 * optionally ``decode_attention(layer, h, cos, sin, meta, k_cache, v_cache)`` — a layer's whole attention half
   for a decode-only step, or None (then it runs op by op); used only with ``cpu_paged`` attention
-* optionally ``decode_layers(model, h, cos, sin, meta, kv_caches, plan)`` — all layers of a decode-only step in
-  one call, or None (then layer by layer)
+* optionally ``decode_layers(model, h, cos, sin, meta, kv_caches, plan, logits=False)`` — all layers of a
+  decode-only step in one call, or None (then layer by layer); with ``logits=True`` the final norm and LM head too,
+  returning float32 logits ``[T, V]`` as ``model.compute_logits`` would
 * optionally ``moe_experts(x, expert_idx, expert_w, w13, w2)`` — a whole MoE expert block, or None (then the
   ``fused`` MoE dispatch runs ``packed`` with these ops)
 
@@ -155,6 +156,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._residual_mlp = ns.residual_mlp.default
         self._moe_route = ns.moe_route.default
         self._decode_layers = ns.decode_layers.default
+        self._decode_plan = torch.classes.litellm_pipeline_cpu.DecodePlan
 
     def _fits(self, x: torch.Tensor) -> bool:
         return self._ok and x.is_cpu and x.dtype in _FUSED_DTYPES
@@ -247,33 +249,60 @@ class CpuFusedLayerOps(TorchLayerOps):
             return self._moe_route(x, gate, k, normalize, self.max_rows.get(x.dtype, 0), top_k, allowed)
         return super().route(x, gate, native_k, normalize, plan)
 
-    def decode_layers(self, model, h, cos, sin, meta, kv_caches, plan):
-        """Every layer of ``model`` for a decode-only step in one call, or None (then layer by layer).
+    def decode_layers(self, model, h, cos, sin, meta, kv_caches, plan, logits=False):
+        """Every layer of ``model`` for a decode-only step in one call, or None (then layer by layer); with
+        ``logits`` the final norm and LM head too: float32 logits ``[T, V]``, what ``model.compute_logits`` gives.
 
         Bound by ``CausalLM.bind`` only where it computes what the per-layer path computes: ``cpu_paged``
         attention, and dense MLPs or MoE blocks under the ``fused`` dispatch without shared experts. ``plan`` is
         one ``RoutePlan`` for every layer or a tuple with one per layer (per-layer TierSets); its per-token
         limits go into the call, so steps that mix tiers stay on it.
+
+        The weights, caches and shapes are checked once into a C++ ``DecodePlan`` (kept in
+        ``model.decode_weights`` until the caches change); a step runs all its layers, and the LM head, in one
+        parallel region there. Steps it does not take (more rows than its kernels take) run op by op in C++.
         """
         if not (self._fits(h) and cos.dtype == h.dtype):
             return None
         w = model.decode_weights
-        if w["k_caches"] is None or w["k_caches"][0] is not kv_caches[0][0]:
+        if w.get("k_caches") is None or w["k_caches"][0] is not kv_caches[0][0]:
             w["k_caches"] = [k for k, _ in kv_caches]
             w["v_caches"] = [v for _, v in kv_caches]
+            w.pop("plan", None)
         if not all(k.dtype == h.dtype and k.is_contiguous() for k in w["k_caches"]):
             return None
         if "scales" not in w:  # int8 weights: their scales per list (empty lists for float weights)
             w["scales"] = self._scale_lists(w, h)
         if w["scales"] is None:
             return None
+        if "plan" not in w:
+            w["plan"] = self._build_plan(model, w, h.dtype)
         moe_ks, top_ks, allowed = _layer_limits(w, plan)
-        return self._decode_layers(
+        rows, kv_slots = meta.decode_rows, meta.decode_kv_slots.contiguous()
+        out = w["plan"].run(h, cos, sin, meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, moe_ks, top_ks,
+                            allowed, logits)
+        if out is not None:
+            return out if not logits or w["plan"].has_head() else model.compute_logits(out)
+        out = self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
-            meta.slot_mapping, meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens, w["o_w"],
+            meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, w["o_w"], w["o_b"], w["post_norm"], w["mlp_a"],
+            w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"], w["scale"], w["num_heads"],
+            w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed, w["moe_normalize"],
+            self.max_rows.get(h.dtype, 0), *w["scales"], False,
+        )
+        return model.compute_logits(out) if logits else out
+
+    def _build_plan(self, model, w: dict, dtype: torch.dtype):
+        """The C++ DecodePlan of ``model``'s decode weights; with the final norm and LM head where the region
+        can run the head as ``compute_logits`` would (the head in this dtype, or int8 with its scales)."""
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        takes_head = head.dtype == dtype or (head.dtype == torch.int8 and self.weight_scale(head) is not None)
+        return self._decode_plan(
+            w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], w["k_caches"], w["v_caches"], w["o_w"],
             w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
-            w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed,
-            w["moe_normalize"], self.max_rows.get(h.dtype, 0), *w["scales"],
+            w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], w["moe_k"], w["moe_normalize"],
+            self.max_rows.get(dtype, 0), *w["scales"], model.norm.weight if takes_head else None, model.norm.eps,
+            head if takes_head else None, self.weight_scale(head) if takes_head else None,
         )
 
     def _scale_lists(self, w: dict, h: torch.Tensor) -> list[list[torch.Tensor]] | None:

@@ -76,20 +76,24 @@ class Decode(Stage):
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         rope_seq_lens = torch.tensor(rope_lens, device=dev) if rt.model.dynamic_rope else None
-        hidden = self.graphs.run(input_ids, meta, ctx.route_plan) if self.graphs is not None else None
-        if hidden is None:
-            hidden = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens)
         rows, reqs, row = [], [], 0
         for req, n in ctx.schedule:
             row += n
             if req.num_computed + n == req.num_tokens:  # catches up this step: its next token is sampled now
                 rows.append(row - 1)
                 reqs.append(req)
-        if rows and len(rows) == hidden.shape[0]:  # every row samples (a decode-only step): no gather
+        ctx.sample_requests = reqs
+        every_row = bool(rows) and len(rows) == len(ids)  # a decode-only step: no gather
+        hidden = self.graphs.run(input_ids, meta, ctx.route_plan) if self.graphs is not None else None
+        if hidden is None and every_row:  # the model's fused decode path may run the LM head with the layers
+            ctx.logits = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens, logits=True)
+            return
+        if hidden is None:
+            hidden = rt.model(input_ids, meta, rt.kv_caches, ctx.route_plan, rope_seq_lens)
+        if every_row:
             ctx.logits = rt.model.compute_logits(hidden)
         else:
             ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
-        ctx.sample_requests = reqs
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

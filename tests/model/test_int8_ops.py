@@ -232,8 +232,8 @@ def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
         model = fused.engine.rt.model
         whole, ran = model.fused_decode_layers, []
 
-        def spy(*args):  # the whole-model call must run, not decline
-            out = whole(*args)
+        def spy(*args, **kw):  # the whole-model call must run, not decline
+            out = whole(*args, **kw)
             ran.append(out is not None)
             return out
 

@@ -240,7 +240,8 @@ def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, fused, mon
     engine, model = llm.engine, llm.engine.rt.model
     taken = []
     real = model.fused_decode_layers
-    monkeypatch.setattr(model, "fused_decode_layers", lambda *a: taken.append((a[-1], out := real(*a))) or out)
+    monkeypatch.setattr(model, "fused_decode_layers",
+                        lambda *a, **k: taken.append((a[-1], out := real(*a, **k))) or out)
     prompts = random_prompts((6, 9, 4), seed=13)
     tiers = ("fast", "max", "mix")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -387,6 +388,110 @@ def test_decode_layers_in_one_parallel_region_is_bit_identical(fused, case, thre
     for a, b in zip(team[1] + team[2], ops[1] + ops[2]):
         assert torch.equal(a, b)
     assert not torch.equal(team[1][0], args[8][0])  # the step wrote its K rows
+
+
+def _plan_of(args, final_norm=None, head=None, head_s=None):
+    """A DecodePlan of _decode_step's per-model arguments (the layers, caches and shapes)."""
+    a = args
+    return torch.classes.litellm_pipeline_cpu.DecodePlan(
+        a[1], a[2], a[3], a[4], a[5], a[8], a[9], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22],
+        a[23], a[24], a[25], a[26], a[27][0] if a[27] else 0, a[30], a[31], a[32], a[33], a[34], a[35], final_norm,
+        1e-5, head, head_s)
+
+
+def _plan_run(plan, args, logits):
+    a = args
+    return plan.run(a[0], a[6], a[7], a[10], a[11], a[12], a[13], a[27], a[28], a[29], logits)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "case",
+    [dict(dtype=torch.float32, rows=1, hq=4, hk=2), dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, experts=5),
+     dict(dtype=torch.float16, rows=2, hq=4, hk=4, window=6), dict(dtype=torch.float32, rows=3, hq=4, hk=2, int8=True,
+                                                                   experts=4, limits=True)],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
+)
+def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(fused, case, threads):
+    """A kept DecodePlan with the final norm and LM head gives, in one region, the float32 logits that the
+    op-by-op layers, rms_norm, the linear in the activation dtype and .float() give, bit for bit (an int8 head
+    with its scales through the int8 kernel); without `logits` it gives the hidden states."""
+    from litellm_pipeline.model.int8_ops import quantize_rows
+
+    dtype = case["dtype"]
+    args = _decode_step(**case)
+    g = torch.Generator().manual_seed(5)
+    V, H = 37, args[0].shape[1]  # a vocabulary that is not a multiple of the kernels' row blocks
+    norm = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    w = torch.randn(V, H, generator=g) * 0.2
+    head, head_s = quantize_rows(w) if case.get("int8") else (w.to(dtype), None)
+    before, runs = torch.get_num_threads(), torch.ops.litellm_pipeline_cpu.decode_team_runs()
+    try:
+        torch.set_num_threads(threads)
+        fresh = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
+        plan = _plan_of(fresh, norm, head, head_s)
+        assert plan.has_head() and plan.reason() == ""
+        logits = _plan_run(plan, fresh, True)
+        hidden_again = _plan_run(plan, fresh, False)  # the same step again: the same K/V rows rewritten
+        assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs + 2
+        ref_h = _run_decode_layers(args, False)[0]
+    finally:
+        torch.set_num_threads(before)
+    x = fused.rms_norm(ref_h, norm, 1e-5)
+    if head_s is None:
+        ref = torch.ops.litellm_pipeline_cpu.small_linear(x, head, None).float()
+    else:
+        ref = torch.ops.litellm_pipeline_cpu.int8_linear(x, head, head_s, None).float()
+    assert logits.dtype == torch.float32 and logits.shape == (args[0].shape[0], V)
+    assert torch.equal(logits, ref)
+    assert torch.equal(hidden_again, ref_h)
+
+
+def test_decode_plan_says_why_it_cannot_run_a_model(fused):
+    """A plan over weights the region cannot read (a transposed view) names the weight and declines every step
+    (None); a step with more rows than the kernels take is declined too, and the decode_layers op then runs it op
+    by op, with the result of the op-by-op call."""
+    args = _decode_step(torch.float32, 3, 4, 2)
+    bad = list(args)
+    bad[2] = [w.t().contiguous().t() for w in args[2]]  # the same values, not contiguous
+    plan = _plan_of(bad)
+    assert plan.reason() == "qkv: not contiguous" and not plan.has_head()
+    assert _plan_run(plan, bad, False) is None
+    head = torch.randn(16, args[0].shape[1]).to(torch.bfloat16)  # a head in another dtype: the layers only
+    plan = _plan_of(args, torch.ones(args[0].shape[1]), head)
+    assert plan.reason() == "lm_head: dtype differs from the activations" and not plan.has_head()
+    few = list(args)
+    few[31] = 2  # the kernels' row limit, below the step's 3 rows
+    assert _plan_of(few).reason() == "" and _plan_run(_plan_of(few), few, False) is None
+    runs = torch.ops.litellm_pipeline_cpu.decode_team_runs()
+    out = _run_decode_layers(few, True)[0]
+    assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs  # declined: op by op
+    assert torch.equal(out, _run_decode_layers(few, False)[0])
+
+
+def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypatch):
+    """In an engine every decode-only step gets its logits from the one-region call (compute_logits runs for
+    prefill steps only), and the tokens and logprobs equal those of the layers-then-compute_logits path."""
+    path = hf_checkpoint("llama")
+    prompts = random_prompts((5, 11), seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    llm = LLM(model=str(path))
+    model = llm.engine.rt.model
+    calls = []
+    real = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: calls.append(h.shape[0]) or real(h))
+    runs = torch.ops.litellm_pipeline_cpu.decode_team_runs()
+    outs = llm.generate(prompts, params)
+    steps = torch.ops.litellm_pipeline_cpu.decode_team_runs() - runs
+    assert steps >= params.max_tokens - 1 and model.decode_weights["plan"].has_head()
+    assert len(calls) <= 2  # the prefill step(s); no decode step reached compute_logits
+    real_layers = model.fused_decode_layers
+    monkeypatch.setattr(model, "fused_decode_layers",  # the layers' hidden states, then compute_logits
+                        lambda *a, logits=False: model.compute_logits(real_layers(*a)) if logits else real_layers(*a))
+    again = llm.generate(prompts, params)
+    assert len(calls) > 2 + params.max_tokens // 2
+    assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in again]
+    assert llm.engine.rt.pool.is_empty()
 
 
 def test_decode_layers_errors_inside_the_region_end_it(fused):

@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include "amx_linear.h"
@@ -775,8 +776,8 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 // ---------------------------------------------------------------------------------------------- decode team
 // A decode step can run all its layers inside one parallel region. Each thread takes its share of every
 // projection's output rows (of each expert's, in a MoE block) and of the kv heads; the threads meet at a spin
-// barrier only where a step reads rows another thread wrote (five times per dense layer, three plus two per
-// expert run in a MoE one); the small per-row steps (norms, residual adds, a MoE block's routing and weighted
+// barrier only where a step reads rows another thread wrote (five times per layer, dense or MoE: every routed
+// expert's gate_up runs before the one meeting ahead of the downs); the small per-row steps (norms, residual adds, a MoE block's routing and weighted
 // sum) run on every thread at once over whole rows, each thread on its own copy, so they need no meeting.
 // Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
 // during which the other threads wait, and the framework calls between the kernels (allocations, views,
@@ -811,6 +812,7 @@ struct SpinBarrier {
     return !failed.load(std::memory_order_relaxed);
   }
 };
+#endif  // LLP_SIMD
 
 struct TeamLinear {
   const void* w = nullptr;
@@ -818,6 +820,7 @@ struct TeamLinear {
   const void* bias = nullptr;
   int64_t O = 0, K = 0;
   int64_t elt = 0;  // bytes per weight
+  int64_t max_m = std::numeric_limits<int64_t>::max();  // the most input rows its kernel takes in the team
 };
 
 struct TeamLayer {
@@ -833,16 +836,22 @@ struct TeamLayer {
 
 struct TeamJob {
   std::vector<TeamLayer> layers;
-  int64_t M, H, D, hq, hk, I, K;  // K: the most experts a MoE layer routes a token to
-  float eps, qk_eps;
-  double scale;
-  const void *h_in, *cos, *sin;
-  const int64_t* slot_mapping;
+  int64_t M = 0, H = 0, D = 0, hq = 0, hk = 0, I = 0, K = 0;  // K: the most experts a MoE layer routes a token to
+  float eps = 0, qk_eps = 0, final_eps = 0;
+  double scale = 0;
+  const void *h_in = nullptr, *cos = nullptr, *sin = nullptr;
+  const int64_t* slot_mapping = nullptr;
   at::Tensor q, attn, rows, kv_slots, ctx_lens;  // q: a [M, hq, D] view of qkv; attn: [M, hq, D]
-  void *qkv, *a, *gu, *act, *d, *out;
-  void* ys;  // MoE: every routed (token, slot)'s expert output, experts ascending
-  bool moe_normalize;
-  int64_t max_rows;
+  void *qkv = nullptr, *a = nullptr, *gu = nullptr, *act = nullptr, *d = nullptr, *out = nullptr;
+  void* ys = nullptr;  // MoE: every routed (token, slot)'s expert output, experts ascending
+  // the final norm and the LM head when the step ends in logits: head_out [M, V] in the activation dtype, and
+  // for 16-bit ones logits, its float32 copy (float32 activations write the logits directly)
+  const void* final_norm = nullptr;
+  TeamLinear head;
+  void* head_out = nullptr;
+  float* logits = nullptr;
+  bool moe_normalize = false;
+  int64_t max_rows = 0;
   at::TensorOptions opts;
 };
 
@@ -860,6 +869,7 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int t, int n) {
   return {std::min(count, blocks * t / n * 8), std::min(count, blocks * (t + 1) / n * 8)};
 }
 
+#if LLP_SIMD
 template <typename T>
 inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_t o0, int64_t o1) {
   if (o1 <= o0) return;
@@ -923,16 +933,18 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     // gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
     const int64_t I = L.down.K;
     auto [i0, i1] = share(I, t, n);
-    auto mlp = [&](const T* in, int64_t rows, const TeamLinear& gate_up, const TeamLinear& down, T* y) {
-      team_linear<T>(in, gate_up, gu, rows, i0, i1);
-      team_linear<T>(in, gate_up, gu, rows, I + i0, I + i1);
-      for (int64_t m = 0; m < rows; ++m) silu_row<T>(gu + m * 2 * I, gu + m * 2 * I + I, act + m * I, i0, i1);
-      if (!bar.wait()) return false;
-      team_linear<T>(act, down, y, rows, h0, h1);
-      return bar.wait();
+    // rows of `in` through gate_up and SiLU * up into act_rows (gu_rows: their stacked projection)
+    auto up = [&](const T* in, int64_t rows, const TeamLinear& gate_up, T* gu_rows, T* act_rows) {
+      team_linear<T>(in, gate_up, gu_rows, rows, i0, i1);
+      team_linear<T>(in, gate_up, gu_rows, rows, I + i0, I + i1);
+      for (int64_t m = 0; m < rows; ++m)
+        silu_row<T>(gu_rows + m * 2 * I, gu_rows + m * 2 * I + I, act_rows + m * I, i0, i1);
     };
     if (!L.router.defined()) {
-      if (!mlp(x, M, L.gate_up, L.down, d)) return;
+      up(x, M, L.gate_up, gu, act);
+      if (!bar.wait()) return;
+      team_linear<T>(act, L.down, d, M, h0, h1);
+      if (!bar.wait()) return;
       for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
       continue;
     }
@@ -949,15 +961,25 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       if (ip[i] >= 0) slots[ip[i]].push_back(i);
     T* xe = priv + 3 * M * H;  // an expert's tokens, gathered
     T* ys = static_cast<T*>(J.ys);
+    // every routed expert's gate_up (each on its own rows of gu / act: no expert waits for another), one
+    // meeting, then every expert's down: two meetings per block however many experts the step routes to
     int64_t off = 0;
     for (int64_t e = 0; e < L.experts; ++e) {
       const int64_t ne = static_cast<int64_t>(slots[e].size());
       if (ne == 0) continue;
       for (int64_t i = 0; i < ne; ++i) std::memcpy(xe + i * H, x + slots[e][i] / k * H, sizeof(T) * H);
-      if (!mlp(xe, ne, expert_linear(L.gate_up, e), expert_linear(L.down, e), ys + off * H))
-        return;
+      up(xe, ne, expert_linear(L.gate_up, e), gu + off * 2 * I, act + off * I);
       off += ne;
     }
+    if (!bar.wait()) return;
+    off = 0;
+    for (int64_t e = 0; e < L.experts; ++e) {
+      const int64_t ne = static_cast<int64_t>(slots[e].size());
+      if (ne == 0) continue;
+      team_linear<T>(act + off * I, expert_linear(L.down, e), ys + off * H, ne, h0, h1);
+      off += ne;
+    }
+    if (!bar.wait()) return;
     T* moe_out = xe;
     std::fill(moe_out, moe_out + M * H, from_f<T>(0.f));
     off = 0;
@@ -968,27 +990,50 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     }
     for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, moe_out + m * H, h + m * H, H);
   }
-  if (t == 0) std::memcpy(J.out, h, sizeof(T) * M * H);
+  if (J.head_out == nullptr) {
+    if (t == 0) std::memcpy(J.out, h, sizeof(T) * M * H);
+    return;
+  }
+  // the final norm (every thread on its own copy) and this thread's vocabulary rows of the LM head: what
+  // compute_logits runs (rms_norm, the linear in T, then float32), without leaving the region
+  for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(J.final_norm), J.final_eps, x + m * H, H);
+  const int64_t V = J.head.O;
+  auto [v0, v1] = share(V, t, n);
+  T* y = static_cast<T*>(J.head_out);
+  team_linear<T>(x, J.head, y, M, v0, v1);
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t v = v0; v < v1; ++v) J.logits[m * V + v] = to_f(y[m * V + v]);
+  }
 }
 
-// A linear the team can run: the kernel linear_any would pick for M rows (small_linear's rows, or int8_linear's).
-// A 3-D w is a MoE block's stack of experts [E, O, K] (scales [E, O]); `out` is then expert 0's.
+// A linear the team can run: the kernel linear_any would pick for up to out.max_m rows (small_linear's rows,
+// or int8_linear's). A 3-D w is a MoE block's stack of experts [E, O, K] (scales [E, O]); `out` is then expert
+// 0's. False (and `why` says what) where the team cannot run it.
 bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
-                    at::ScalarType t, int64_t M, int64_t max_rows, int64_t K, TeamLinear& out) {
-  if (w.dim() < 2 || w.dim() > 3 || w.size(-1) != K || !w.is_contiguous()) return false;
+                    at::ScalarType t, int64_t max_rows, int64_t K, TeamLinear& out, std::string& why, const char* name) {
+  auto no = [&](const char* what) {
+    why = std::string(name) + ": " + what;
+    return false;
+  };
+  if (w.dim() < 2 || w.dim() > 3 || w.size(-1) != K) return no("unexpected shape");
+  if (!w.is_contiguous()) return no("not contiguous");
   const int64_t O = w.size(-2), E = w.dim() == 3 ? w.size(0) : 1;
   if (w.scalar_type() == at::kChar) {
     if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
-        !scale->is_contiguous() || !(max_rows < 0 || M <= kInt8KernelRows))
-      return false;
+        !scale->is_contiguous())
+      return no("int8 without float32 scales per row");
     out.scale = scale->data_ptr<float>();
+    if (max_rows >= 0) out.max_m = kInt8KernelRows;
   } else {
     // small_linear's arithmetic: the decode-size path, or row_linear where it is the same kernel
     const bool dp = LLP_DPBF16 && t == at::kBFloat16;
-    if (w.scalar_type() != t || !((max_rows >= 0 && M <= max_rows) || (max_rows < 0 && !dp))) return false;
+    if (w.scalar_type() != t) return no("dtype differs from the activations");
+    if (max_rows < 0 && dp) return no("the batch-invariant bfloat16 kernel is not the team's");
+    if (max_rows >= 0) out.max_m = max_rows;
   }
   if (bias.has_value() && bias->defined()) {
-    if (bias->scalar_type() != t || bias->numel() != O || !bias->is_contiguous()) return false;
+    if (bias->scalar_type() != t || bias->numel() != O || !bias->is_contiguous()) return no("unexpected bias");
     out.bias = bias->data_ptr();
   }
   out.w = w.data_ptr();
@@ -1003,128 +1048,234 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
 std::atomic<int64_t> team_runs{0};  // decode steps the team ran (the tests check that it did)
 int64_t decode_team_runs() { return team_runs.load(); }
 
-// Every layer of a decode step in one parallel region (see above); an undefined tensor where the step is
-// outside what the team runs (then decode_layers runs the op-by-op calls, which say what is wrong, if anything).
-at::Tensor decode_layers_team(const at::Tensor& h_in, at::TensorList in_norm, at::TensorList qkv_w,
-                              at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm, const at::Tensor& cos,
-                              const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches,
-                              const at::Tensor& slot_mapping, const at::Tensor& rows, const at::Tensor& kv_slots,
-                              const at::Tensor& ctx_lens, at::TensorList o_w, at::TensorList o_b,
-                              at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
-                              at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
-                              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::IntArrayRef moe_ks,
-                              at::TensorList moe_top_k, at::TensorList moe_allowed, bool moe_normalize,
-                              int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
-                              at::TensorList mlp_b_s) {
-#if LLP_SIMD
-  const at::ScalarType t = h_in.scalar_type();
-  const bool float_t = t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
-  if (!float_t || h_in.dim() != 2 || !h_in.is_contiguous() || h_in.size(0) == 0 || in_norm.empty()) return {};
-  const int64_t M = h_in.size(0), H = h_in.size(1), D = head_dim, hq = num_heads, hk = num_kv_heads;
-  if (!few_rows(M, max_rows) || hk <= 0 || hq % hk != 0 || D % 2 != 0) return {};
-  const at::Tensor cs = cos.contiguous(), sn = sin.contiguous();
-  if (cs.scalar_type() != t || sn.scalar_type() != t || cs.dim() != 2 || cs.size(0) != M || cs.size(1) != D ||
-      sn.sizes() != cs.sizes())
-    return {};
-  if (slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != M || !slot_mapping.is_contiguous()) return {};
-  auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
-  auto norm_ok = [&](const at::Tensor& w, int64_t n) {
-    return w.dim() == 1 && w.size(0) == n && w.scalar_type() == t && w.is_contiguous();
-  };
-  TeamJob J;
-  J.M = M, J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0, J.K = 0;
-  J.moe_normalize = moe_normalize, J.max_rows = max_rows, J.opts = h_in.options();
-  J.eps = static_cast<float>(eps), J.qk_eps = static_cast<float>(qk_eps), J.scale = scale;
-  const int64_t QKV = (hq + 2 * hk) * D, num_slots = k_caches[0].size(0);
-  for (size_t i = 0; i < in_norm.size(); ++i) {
-    TeamLayer L{};
-    const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-    if (kc.scalar_type() != t || !kc.is_contiguous() || kc.dim() != 3 || kc.size(0) != num_slots ||
-        kc.size(1) != hk || kc.size(2) != D || vc.sizes() != kc.sizes() || vc.scalar_type() != t || !vc.is_contiguous())
-      return {};
-    if (!norm_ok(in_norm[i], H) || !norm_ok(post_norm[i], H)) return {};
-    if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return {};
-    const int64_t mlp_dims = router.empty() ? 2 : 3;  // a MoE block's experts are [E, O, K] stacks
-    if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, M, max_rows, H, L.qkv) || L.qkv.O != QKV ||
-        !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, M, max_rows, hq * D, L.o) || L.o.O != H ||
-        mlp_a[i].dim() != mlp_dims || mlp_b[i].dim() != mlp_dims ||
-        !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, M, max_rows, H, L.gate_up) ||
-        !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, M, max_rows, mlp_b[i].size(-1), L.down) ||
-        L.down.O != H || L.gate_up.O != 2 * L.down.K)
-      return {};
-    if (!router.empty()) {
-      const int64_t E = mlp_a[i].size(0);
-      if (mlp_b[i].size(0) != E || router[i].dim() != 2 || router[i].size(0) != E || router[i].size(1) != H ||
-          router[i].scalar_type() != t || !router[i].is_contiguous() || moe_ks.size() != in_norm.size())
-        return {};
-      L.router = router[i];
-      L.experts = E;
-      L.moe_k = std::min<int64_t>(moe_ks[i], E);
-      if (L.moe_k < 1) return {};
-      if (!moe_top_k.empty()) L.top_k = moe_top_k[i];
-      if (!moe_allowed.empty()) L.allowed = moe_allowed[i];
-      J.K = std::max(J.K, L.moe_k);
-    }
-    L.in_norm = in_norm[i].data_ptr();
-    L.post_norm = post_norm[i].data_ptr();
-    L.q_norm = q_norm.empty() ? nullptr : q_norm[i].data_ptr();
-    L.k_norm = k_norm.empty() ? nullptr : k_norm[i].data_ptr();
-    L.k_cache = kc, L.v_cache = vc;
-    L.window = windows[i];
-    J.I = std::max(J.I, L.down.K);
-    J.layers.push_back(std::move(L));
+// The part of a decode step that stays the same from step to step -- the model's weights, the KV caches, the
+// shapes -- checked once and kept (torch.classes.litellm_pipeline_cpu.DecodePlan): a step then passes only its
+// own tensors. Holds references to every tensor it reads, so the weights outlive it.
+struct DecodePlan : torch::CustomClassHolder {
+  TeamJob job;  // the per-model part; run() copies it and fills in the step
+  std::vector<at::Tensor> held;
+  at::ScalarType dtype = at::kFloat;
+  int64_t num_slots = 0, rows_limit = std::numeric_limits<int64_t>::max(), native_k = 0;
+  std::string why;  // why the team cannot run this model ("" when it can)
+
+  bool no(const std::string& what) {
+    why = what;
+    return false;
   }
-  // what the op-by-op path checks as it goes, checked before any thread starts (a check that fails inside the
-  // region would leave the others waiting)
-  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK(sm[m] >= 0 && sm[m] < num_slots, "decode_layers: slot_mapping[", m, "] = ", sm[m],
-                " out of range [0, ", num_slots, ")");
-  at::Tensor qkv = at::empty({M, QKV}, h_in.options());
-  at::Tensor attn = at::empty({M, hq, D}, h_in.options());
-  J.q = qkv.view({M, hq + 2 * hk, D}).narrow(1, 0, hq);
-  J.attn = attn;
-  J.rows = rows, J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
-  for (const TeamLayer& L : J.layers)
-    llp::check_paged_attention(J.attn, J.q, L.k_cache, L.v_cache, rows, kv_slots, ctx_lens, 1);
-  at::Tensor a = at::empty({M, H}, h_in.options()), d = at::empty({M, H}, h_in.options());
-  at::Tensor gu = at::empty({M, 2 * J.I}, h_in.options()), act = at::empty({M, J.I}, h_in.options());
-  at::Tensor out = at::empty({M, H}, h_in.options());
-  const int nt = std::max(1, at::get_num_threads());
-  at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
-  at::Tensor ys = at::empty({M * std::max<int64_t>(J.K, 1), H}, h_in.options());
-  J.ys = ys.data_ptr();
-  J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
-  J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
-  J.out = out.data_ptr();
-  SpinBarrier bar;
-  std::exception_ptr err;
-  std::mutex err_mu;
-  dispatch_float_types(t, "decode_layers", [&](auto tag) {
-    using T = decltype(tag);
-    T* pp = priv.data_ptr<T>();
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp single
-      bar.team = omp_get_num_threads();
-      const int tid = omp_get_thread_num();
-      try {
-        team_body<T>(J, tid, bar.team, bar, pp + static_cast<int64_t>(tid) * 4 * M * H);
-      } catch (...) {
-        {
-          std::lock_guard<std::mutex> g(err_mu);
-          if (!err) err = std::current_exception();
-        }
-        bar.failed.store(true);
+
+  bool build(at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b, at::TensorList q_norm,
+             at::TensorList k_norm, at::TensorList k_caches, at::TensorList v_caches, at::TensorList o_w,
+             at::TensorList o_b, at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
+             at::TensorList router, at::IntArrayRef windows, double eps, double qk_eps, double scale,
+             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k, bool moe_normalize,
+             int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
+             at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
+             const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
+#if LLP_SIMD
+    if (in_norm.empty()) return no("no layers");
+    const at::ScalarType t = in_norm[0].scalar_type();
+    dtype = t;
+    if (t != at::kFloat && t != at::kBFloat16 && t != at::kHalf) return no("not a float dtype");
+    const int64_t H = in_norm[0].numel(), D = head_dim, hq = num_heads, hk = num_kv_heads;
+    if (hk <= 0 || hq % hk != 0 || D % 2 != 0) return no("head layout");
+    auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
+    auto norm_ok = [&](const at::Tensor& w, int64_t n) {
+      return w.dim() == 1 && w.size(0) == n && w.scalar_type() == t && w.is_contiguous();
+    };
+    TeamJob& J = job;
+    J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0, J.K = 0;
+    J.moe_normalize = moe_normalize, J.max_rows = max_rows;
+    J.eps = static_cast<float>(eps), J.qk_eps = static_cast<float>(qk_eps), J.scale = scale;
+    const int64_t QKV = (hq + 2 * hk) * D;
+    num_slots = k_caches[0].size(0);
+    native_k = moe_k;
+    auto limit = [&](const TeamLinear& l) { rows_limit = std::min(rows_limit, l.max_m); };
+    for (size_t i = 0; i < in_norm.size(); ++i) {
+      TeamLayer L{};
+      const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
+      if (kc.scalar_type() != t || !kc.is_contiguous() || kc.dim() != 3 || kc.size(0) != num_slots ||
+          kc.size(1) != hk || kc.size(2) != D || vc.sizes() != kc.sizes() || vc.scalar_type() != t || !vc.is_contiguous())
+        return no("KV cache layout or dtype");
+      if (!norm_ok(in_norm[i], H) || !norm_ok(post_norm[i], H)) return no("layer norm weights");
+      if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return no("q/k norm weights");
+      const int64_t mlp_dims = router.empty() ? 2 : 3;  // a MoE block's experts are [E, O, K] stacks
+      if (mlp_a[i].dim() != mlp_dims || mlp_b[i].dim() != mlp_dims) return no("MLP weight shapes");
+      if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, max_rows, H, L.qkv, why, "qkv") ||
+          !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, max_rows, hq * D, L.o, why, "o") ||
+          !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, max_rows, H, L.gate_up, why, "gate_up") ||
+          !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, max_rows, mlp_b[i].size(-1), L.down, why, "down"))
+        return false;
+      if (L.qkv.O != QKV || L.o.O != H || L.down.O != H || L.gate_up.O != 2 * L.down.K) return no("projection shapes");
+      for (const TeamLinear* l : {&L.qkv, &L.o, &L.gate_up, &L.down}) limit(*l);
+      if (!router.empty()) {
+        const int64_t E = mlp_a[i].size(0);
+        if (mlp_b[i].size(0) != E || router[i].dim() != 2 || router[i].size(0) != E || router[i].size(1) != H ||
+            router[i].scalar_type() != t || !router[i].is_contiguous())
+          return no("router");
+        L.router = router[i];
+        L.experts = E;
+      }
+      L.in_norm = in_norm[i].data_ptr();
+      L.post_norm = post_norm[i].data_ptr();
+      L.q_norm = q_norm.empty() ? nullptr : q_norm[i].data_ptr();
+      L.k_norm = k_norm.empty() ? nullptr : k_norm[i].data_ptr();
+      L.k_cache = kc, L.v_cache = vc;
+      L.window = windows[i];
+      J.I = std::max(J.I, L.down.K);
+      J.layers.push_back(std::move(L));
+    }
+    if (head.has_value() && head->defined()) {
+      if (!final_norm.has_value() || !norm_ok(*final_norm, H)) return no("final norm weight");
+      if (!team_linear_of(*head, head_s, c10::nullopt, t, max_rows, H, J.head, why, "lm_head") || head->dim() != 2)
+        return false;
+      limit(J.head);
+      J.final_norm = final_norm->data_ptr();
+      J.final_eps = static_cast<float>(final_eps);
+      held.push_back(*final_norm);
+      held.push_back(*head);
+      if (head_s.has_value()) held.push_back(*head_s);
+    }
+    for (at::TensorList l : {in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, o_b, post_norm, mlp_a, mlp_b, router, qkv_s,
+                             o_s, mlp_a_s, mlp_b_s})
+      held.insert(held.end(), l.begin(), l.end());
+    return true;
+#else
+    return no("this build has no vector kernels");
+#endif
+  }
+
+  bool has_head() const { return why.empty() && job.head.w != nullptr; }
+  std::string reason() const { return why; }
+
+  // One decode-only step through every layer (and, with `logits` and a head, the final norm and LM head ->
+  // float32 [M, V]), or nullopt where the step is outside what the team runs (more rows than its kernels take,
+  // another dtype...): the caller then runs it op by op. moe_ks: experts per token of each MoE layer (empty:
+  // the model's own k); moe_top_k / moe_allowed: empty, or one tensor per layer (an empty one: no limit).
+  c10::optional<at::Tensor> run(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& slot_mapping, const at::Tensor& rows, const at::Tensor& kv_slots,
+                                const at::Tensor& ctx_lens, at::IntArrayRef moe_ks, at::TensorList moe_top_k,
+                                at::TensorList moe_allowed, bool logits) {
+#if LLP_SIMD
+    if (!why.empty()) return c10::nullopt;
+    const at::ScalarType t = h_in.scalar_type();
+    if (t != dtype || h_in.dim() != 2 || !h_in.is_contiguous() || h_in.size(0) == 0 || h_in.size(1) != job.H)
+      return c10::nullopt;
+    const int64_t M = h_in.size(0), H = job.H, D = job.D, hq = job.hq, hk = job.hk;
+    if (!few_rows(M, job.max_rows) || M > rows_limit) return c10::nullopt;
+    const at::Tensor cs = cos.contiguous(), sn = sin.contiguous();
+    if (cs.scalar_type() != t || sn.scalar_type() != t || cs.dim() != 2 || cs.size(0) != M || cs.size(1) != D ||
+        sn.sizes() != cs.sizes())
+      return c10::nullopt;
+    if (slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != M || !slot_mapping.is_contiguous())
+      return c10::nullopt;
+    const size_t n = job.layers.size();
+    const bool moe = job.layers[0].router.defined();
+    TORCH_CHECK(moe_ks.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
+    TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
+    TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
+    TeamJob J = job;
+    J.M = M;
+    J.opts = h_in.options();
+    if (moe) {
+      for (size_t i = 0; i < n; ++i) {
+        TeamLayer& L = J.layers[i];
+        L.moe_k = std::min<int64_t>(moe_ks.empty() ? native_k : moe_ks[i], L.experts);
+        if (L.moe_k < 1) return c10::nullopt;
+        if (!moe_top_k.empty()) L.top_k = moe_top_k[i];
+        if (!moe_allowed.empty()) L.allowed = moe_allowed[i];
+        J.K = std::max(J.K, L.moe_k);
       }
     }
-  });
-  if (err) std::rethrow_exception(err);
-  team_runs.fetch_add(1);
-  return out;
+    // what the op-by-op path checks as it goes, checked before any thread starts (a check that fails inside the
+    // region would leave the others waiting)
+    const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(sm[m] >= 0 && sm[m] < num_slots, "decode_layers: slot_mapping[", m, "] = ", sm[m],
+                  " out of range [0, ", num_slots, ")");
+    const int64_t QKV = (hq + 2 * hk) * D;
+    at::Tensor qkv = at::empty({M, QKV}, h_in.options());
+    at::Tensor attn = at::empty({M, hq, D}, h_in.options());
+    J.q = qkv.view({M, hq + 2 * hk, D}).narrow(1, 0, hq);
+    J.attn = attn;
+    J.rows = rows, J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
+    for (const TeamLayer& L : J.layers)
+      llp::check_paged_attention(J.attn, J.q, L.k_cache, L.v_cache, rows, kv_slots, ctx_lens, 1);
+    at::Tensor a = at::empty({M, H}, h_in.options()), d = at::empty({M, H}, h_in.options());
+    const int64_t packed = M * std::max<int64_t>(J.K, 1);  // rows of every expert's pack (M for a dense MLP)
+    at::Tensor gu = at::empty({packed, 2 * J.I}, h_in.options()), act = at::empty({packed, J.I}, h_in.options());
+    const bool to_logits = logits && J.head.w != nullptr;
+    at::Tensor out, head_out;
+    if (to_logits) {
+      out = at::empty({M, J.head.O}, h_in.options().dtype(at::kFloat));
+      head_out = t == at::kFloat ? out : at::empty({M, J.head.O}, h_in.options());
+      J.head_out = head_out.data_ptr();
+      J.logits = out.data_ptr<float>();
+    } else {
+      out = at::empty({M, H}, h_in.options());
+      J.head_out = nullptr;
+    }
+    const int nt = std::max(1, at::get_num_threads());
+    at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
+    at::Tensor ys = at::empty({M * std::max<int64_t>(J.K, 1), H}, h_in.options());
+    J.ys = ys.data_ptr();
+    J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
+    J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
+    J.out = out.data_ptr();
+    SpinBarrier bar;
+    std::exception_ptr err;
+    std::mutex err_mu;
+    dispatch_float_types(t, "decode_layers", [&](auto tag) {
+      using T = decltype(tag);
+      T* pp = priv.data_ptr<T>();
+#pragma omp parallel num_threads(nt)
+      {
+#pragma omp single
+        bar.team = omp_get_num_threads();
+        const int tid = omp_get_thread_num();
+        try {
+          team_body<T>(J, tid, bar.team, bar, pp + static_cast<int64_t>(tid) * 4 * M * H);
+        } catch (...) {
+          {
+            std::lock_guard<std::mutex> g(err_mu);
+            if (!err) err = std::current_exception();
+          }
+          bar.failed.store(true);
+        }
+      }
+    });
+    if (err) std::rethrow_exception(err);
+    team_runs.fetch_add(1);
+    return out;
 #else
-  return {};
+    return c10::nullopt;
 #endif
+  }
+};
+
+c10::intrusive_ptr<DecodePlan> make_decode_plan(
+    at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList o_w, at::TensorList o_b, at::TensorList post_norm,
+    at::TensorList mlp_a, at::TensorList mlp_b, at::TensorList router, at::IntArrayRef windows, double eps,
+    double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
+    bool moe_normalize, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
+    at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
+    const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
+  const size_t n = in_norm.size();
+  for (size_t len : {qkv_s.size(), o_s.size(), mlp_a_s.size(), mlp_b_s.size()})
+    TORCH_CHECK(len == 0 || len == n, "decode_layers: the int8 scale lists are empty (float weights) or per layer");
+  for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
+                     mlp_b.size(), windows.size()})
+    TORCH_CHECK(len == n, "decode_layers: every per-layer list needs one entry per layer");
+  TORCH_CHECK(qkv_b.empty() || qkv_b.size() == n, "decode_layers: qkv_b is empty or per layer");
+  TORCH_CHECK(o_b.empty() || o_b.size() == n, "decode_layers: o_b is empty or per layer");
+  TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
+              "decode_layers: q_norm/k_norm are empty or per layer");
+  TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
+  auto plan = c10::make_intrusive<DecodePlan>();
+  plan->build(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a, mlp_b, router,
+              windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, moe_k, moe_normalize, max_rows, qkv_s,
+              o_s, mlp_a_s, mlp_b_s, final_norm, final_eps, head, head_s);
+  return plan;
 }
 
 // Every decoder layer of a decode-only step in one call: per layer the attention block above, then the dense MLP
@@ -1144,28 +1295,20 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                          at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s, at::TensorList mlp_b_s,
                          bool team) {
   const size_t n = in_norm.size();
-  for (size_t len : {qkv_s.size(), o_s.size(), mlp_a_s.size(), mlp_b_s.size()})
-    TORCH_CHECK(len == 0 || len == n, "decode_layers: the int8 scale lists are empty (float weights) or per layer");
-  auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
-  for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
-                     mlp_b.size(), windows.size()})
-    TORCH_CHECK(len == n, "decode_layers: every per-layer list needs one entry per layer");
-  TORCH_CHECK(qkv_b.empty() || qkv_b.size() == n, "decode_layers: qkv_b is empty or per layer");
-  TORCH_CHECK(o_b.empty() || o_b.size() == n, "decode_layers: o_b is empty or per layer");
-  TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
-              "decode_layers: q_norm/k_norm are empty or per layer");
-  TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
   TORCH_CHECK(router.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
   TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
   TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
+  // the plan checks the per-layer lists (and says whether the team can run them)
+  const auto plan = make_decode_plan(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm,
+                                     mlp_a, mlp_b, router, windows, eps, qk_eps, scale, num_heads, num_kv_heads,
+                                     head_dim, router.empty() ? 0 : moe_ks[0], moe_normalize, max_rows, qkv_s, o_s,
+                                     mlp_a_s, mlp_b_s, c10::nullopt, 0.0, c10::nullopt, c10::nullopt);
   if (team) {
-    at::Tensor out = decode_layers_team(h_in, in_norm, qkv_w, qkv_b, q_norm, k_norm, cos, sin, k_caches, v_caches,
-                                        slot_mapping, rows, kv_slots, ctx_lens, o_w, o_b, post_norm, mlp_a, mlp_b,
-                                        router, windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim,
-                                        moe_ks, moe_top_k, moe_allowed, moe_normalize, max_rows, qkv_s, o_s, mlp_a_s,
-                                        mlp_b_s);
-    if (out.defined()) return out;
+    const auto out = plan->run(h_in, cos, sin, slot_mapping, rows, kv_slots, ctx_lens, moe_ks, moe_top_k, moe_allowed,
+                               false);
+    if (out.has_value()) return *out;
   }
+  auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
   at::Tensor h = h_in;
   for (size_t i = 0; i < n; ++i) {
     auto [s, x] = decode_attention_block(
@@ -1188,7 +1331,32 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
 
 }  // namespace
 
+using Tensors = std::vector<at::Tensor>;
+using Ints = std::vector<int64_t>;
+
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
+  m.class_<DecodePlan>("DecodePlan")
+      .def(torch::init([](Tensors in_norm, Tensors qkv_w, Tensors qkv_b, Tensors q_norm, Tensors k_norm,
+                          Tensors k_caches, Tensors v_caches, Tensors o_w, Tensors o_b, Tensors post_norm,
+                          Tensors mlp_a, Tensors mlp_b, Tensors router, Ints windows, double eps, double qk_eps,
+                          double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
+                          bool moe_normalize, int64_t max_rows, Tensors qkv_s, Tensors o_s, Tensors mlp_a_s,
+                          Tensors mlp_b_s, c10::optional<at::Tensor> final_norm, double final_eps,
+                          c10::optional<at::Tensor> head, c10::optional<at::Tensor> head_s) {
+        return make_decode_plan(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a,
+                                mlp_b, router, windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, moe_k,
+                                moe_normalize, max_rows, qkv_s, o_s, mlp_a_s, mlp_b_s, final_norm, final_eps, head,
+                                head_s);
+      }))
+      .def("run",
+           [](const c10::intrusive_ptr<DecodePlan>& self, at::Tensor h, at::Tensor cos, at::Tensor sin,
+              at::Tensor slot_mapping, at::Tensor rows, at::Tensor kv_slots, at::Tensor ctx_lens, Ints moe_ks,
+              Tensors moe_top_k, Tensors moe_allowed, bool logits) {
+             return self->run(h, cos, sin, slot_mapping, rows, kv_slots, ctx_lens, moe_ks, moe_top_k, moe_allowed,
+                              logits);
+           })
+      .def("has_head", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->has_head(); })
+      .def("reason", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->reason(); });
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("row_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported", &small_linear_supported);
