@@ -265,11 +265,14 @@ class CpuFusedLayerOps(TorchLayerOps):
         if not (self._fits(h) and cos.dtype == h.dtype):
             return None
         w = model.decode_weights
-        if w.get("k_caches") is None or w["k_caches"][0] is not kv_caches[0][0]:
+        if w.get("k_caches") is None or w["k_caches"][0] is not kv_caches[0][0]:  # checked once per cache set
             w["k_caches"] = [k for k, _ in kv_caches]
             w["v_caches"] = [v for _, v in kv_caches]
+            dtypes = {k.dtype for k in w["k_caches"]}
+            contiguous = all(k.is_contiguous() for k in w["k_caches"])
+            w["cache_dtype"] = dtypes.pop() if len(dtypes) == 1 and contiguous else None
             w.pop("plan", None)
-        if not all(k.dtype == h.dtype and k.is_contiguous() for k in w["k_caches"]):
+        if w["cache_dtype"] != h.dtype:
             return None
         if "scales" not in w:  # int8 weights: their scales per list (empty lists for float weights)
             w["scales"] = self._scale_lists(w, h)
@@ -331,6 +334,8 @@ def _layer_limits(w: dict, plan) -> tuple[list[int], list[torch.Tensor], list[to
     if not w["router"]:
         return [], [], []
     n = len(w["router"])
+    if plan is None:  # every step of a request without TierSet limits: the model's own k everywhere
+        return [w["moe_k"]] * n, [], []
     plans = plan if isinstance(plan, tuple) else (plan,) * n
     ks = [w["moe_k"] if p is None or p.max_k is None else p.max_k for p in plans]
     top = [_NO_LIMIT if p is None or p.top_k is None else p.top_k for p in plans]
