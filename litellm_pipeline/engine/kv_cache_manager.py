@@ -138,6 +138,7 @@ class KVCacheManager:
     ):
         self.hot, self.hot_kv, self.block_size, self.warm = hot, hot_kv, block_size, warm
         self._offsets = torch.arange(block_size)  # slot offsets inside a block
+        self._row: tuple[list[int], int, torch.Tensor] | None = None  # see _slot_row
         self.prefix_caching = prefix_caching
         self.bus = bus if bus is not None else EventBus()
         hot.on_evict = self._on_evict
@@ -170,6 +171,11 @@ class KVCacheManager:
         # a decode step runs every few milliseconds: a handful of tensor ops whatever the batch (each costs
         # microseconds, and the caches are cold after the weights streamed through them)
         b = len(decodes)
+        if b == 1:  # one sequence decoding (batch-1): views into its slot row, kept from step to step
+            req = decodes[0][0]
+            n = req.num_computed + 1
+            row = self._slot_row(req.block_ids, -(-n // bs))
+            return KVLayout(tuple(chunks), row[:n].view(1, n), torch.tensor([n]), row[n - 1 : n])
         ctx_lens = [r.num_computed + 1 for r, _ in decodes]
         lmax = max(ctx_lens)
         nblk = -(-lmax // bs)
@@ -183,6 +189,18 @@ class KVCacheManager:
             slots = slots[:, :lmax].contiguous()
         new = [r.block_ids[(n - 1) // bs] * bs + (n - 1) % bs for (r, _), n in zip(decodes, ctx_lens)]
         return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), torch.tensor(new, dtype=torch.long))
+
+    def _slot_row(self, blocks: list[int], nblk: int) -> torch.Tensor:
+        """Every slot of ``blocks`` (at least ``nblk`` of them) as one row. The row of the last list asked is
+        kept: a request decoding alone asks for the same list every step, one block longer every block_size
+        steps. A request's list only grows in place (it is replaced when its blocks go), so holding it and
+        its length tells whether the row is current."""
+        kept = self._row
+        if kept is not None and kept[0] is blocks and kept[1] >= nblk:
+            return kept[2]
+        row = (torch.tensor(blocks, dtype=torch.long).unsqueeze(-1) * self.block_size + self._offsets).view(-1)
+        self._row = (blocks, len(blocks), row)
+        return row
 
     # ---- prefixes
     def block_hashes(self, req: Request, num_tokens: int) -> list[bytes]:

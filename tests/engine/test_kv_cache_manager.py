@@ -68,6 +68,42 @@ def test_step_layout_gives_slots_through_each_block_table():
     assert only_chunks.decode_slots is None and len(only_chunks.chunk_slots) == 1
 
 
+def test_step_layout_of_one_decoding_sequence_follows_its_blocks():
+    """A sequence decoding alone gets its slots from a row kept between steps: right across block boundaries,
+    when another sequence decodes alone in between, and after its blocks were freed and allocated anew."""
+    kv = manager(num_blocks=8)
+    a, other = make_req(range(1, 4)), make_req(range(40, 43))
+    assert kv.grow(other, 3)
+
+    def slot(r, pos):
+        return r.block_ids[pos // BS] * BS + pos % BS
+
+    def check(r, n):
+        r.num_computed = n - 1
+        layout = kv.step_layout([(r, 1)])
+        assert layout.decode_ctx_lens.tolist() == [n]
+        assert layout.decode_slots.tolist() == [[slot(r, p) for p in range(n)]]
+        assert layout.decode_new_slots.tolist() == [slot(r, n - 1)]
+
+    for n in range(3, 3 * BS + 1):  # across three block boundaries
+        assert kv.grow(a, n)
+        check(a, n)
+        if n % 3 == 0:
+            check(other, 3)  # another sequence alone in between
+    kv.free(a)
+    assert kv.grow(other, 2 * BS)  # takes blocks a had
+    assert kv.grow(a, 5)  # new blocks, a new list
+    check(a, 5)
+    assert layout_equals_batched(kv, a, 5)
+
+
+def layout_equals_batched(kv, r, n):
+    """A lone sequence's decode slots equal its row of a two-sequence step (the general path)."""
+    r.num_computed = n - 1
+    alone = kv.step_layout([(r, 1)]).decode_slots[0]
+    return alone.tolist() == kv.step_layout([(r, 1), (r, 1)]).decode_slots[0, :n].tolist()
+
+
 def test_prefix_lookup_is_published_once_per_request():
     sink = MemorySink()
     kv = manager(num_blocks=8, bus=EventBus([sink]))
