@@ -1260,15 +1260,12 @@ struct DecodePlan : torch::CustomClassHolder {
   }
 };
 
-c10::intrusive_ptr<DecodePlan> make_decode_plan(
-    at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
-    at::TensorList k_caches, at::TensorList v_caches, at::TensorList o_w, at::TensorList o_b, at::TensorList post_norm,
-    at::TensorList mlp_a, at::TensorList mlp_b, at::TensorList router, at::IntArrayRef windows, double eps,
-    double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
-    bool moe_normalize, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
-    at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
-    const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
-  const size_t n = in_norm.size();
+// every per-layer list has one entry per layer (the optional ones: none or one per layer)
+void check_layer_lists(size_t n, at::TensorList qkv_w, at::TensorList qkv_b, at::TensorList q_norm,
+                       at::TensorList k_norm, at::TensorList k_caches, at::TensorList v_caches, at::TensorList o_w,
+                       at::TensorList o_b, at::TensorList post_norm, at::TensorList mlp_a, at::TensorList mlp_b,
+                       at::TensorList router, at::IntArrayRef windows, at::TensorList qkv_s, at::TensorList o_s,
+                       at::TensorList mlp_a_s, at::TensorList mlp_b_s) {
   for (size_t len : {qkv_s.size(), o_s.size(), mlp_a_s.size(), mlp_b_s.size()})
     TORCH_CHECK(len == 0 || len == n, "decode_layers: the int8 scale lists are empty (float weights) or per layer");
   for (size_t len : {qkv_w.size(), k_caches.size(), v_caches.size(), o_w.size(), post_norm.size(), mlp_a.size(),
@@ -1279,6 +1276,19 @@ c10::intrusive_ptr<DecodePlan> make_decode_plan(
   TORCH_CHECK(q_norm.size() == k_norm.size() && (q_norm.empty() || q_norm.size() == n),
               "decode_layers: q_norm/k_norm are empty or per layer");
   TORCH_CHECK(router.empty() || router.size() == n, "decode_layers: router is empty (dense) or per layer (MoE)");
+}
+
+c10::intrusive_ptr<DecodePlan> make_decode_plan(
+    at::TensorList in_norm, at::TensorList qkv_w, at::TensorList qkv_b, at::TensorList q_norm, at::TensorList k_norm,
+    at::TensorList k_caches, at::TensorList v_caches, at::TensorList o_w, at::TensorList o_b, at::TensorList post_norm,
+    at::TensorList mlp_a, at::TensorList mlp_b, at::TensorList router, at::IntArrayRef windows, double eps,
+    double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
+    bool moe_normalize, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
+    at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
+    const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
+  const size_t n = in_norm.size();
+  check_layer_lists(in_norm.size(), qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a,
+                    mlp_b, router, windows, qkv_s, o_s, mlp_a_s, mlp_b_s);
   auto plan = c10::make_intrusive<DecodePlan>();
   plan->build(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a, mlp_b, router,
               windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, moe_k, moe_normalize, max_rows, qkv_s,
@@ -1306,15 +1316,18 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
   TORCH_CHECK(router.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
   TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
   TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
-  // the plan checks the per-layer lists (and says whether the team can run them)
-  const auto plan = make_decode_plan(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm,
-                                     mlp_a, mlp_b, router, windows, eps, qk_eps, scale, num_heads, num_kv_heads,
-                                     head_dim, router.empty() ? 0 : moe_ks[0], moe_normalize, max_rows, qkv_s, o_s,
-                                     mlp_a_s, mlp_b_s, c10::nullopt, 0.0, c10::nullopt, c10::nullopt);
-  if (team) {
+  if (team) {  // a plan for this one call (the engine keeps its plan: ops.decode_layers)
+    const auto plan = make_decode_plan(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b,
+                                       post_norm, mlp_a, mlp_b, router, windows, eps, qk_eps, scale, num_heads,
+                                       num_kv_heads, head_dim, router.empty() ? 0 : moe_ks[0], moe_normalize,
+                                       max_rows, qkv_s, o_s, mlp_a_s, mlp_b_s, c10::nullopt, 0.0, c10::nullopt,
+                                       c10::nullopt);
     const auto out = plan->run(h_in, cos, sin, slot_mapping, rows, kv_slots, ctx_lens, moe_ks, moe_top_k, moe_allowed,
                                false);
     if (out.has_value()) return *out;
+  } else {
+    check_layer_lists(n, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a, mlp_b, router,
+                      windows, qkv_s, o_s, mlp_a_s, mlp_b_s);
   }
   auto opt = [](at::TensorList l, size_t i) { return l.empty() ? c10::optional<at::Tensor>() : c10::optional<at::Tensor>(l[i]); };
   at::Tensor h = h_in;
