@@ -430,7 +430,7 @@ def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(fused
         torch.set_num_threads(threads)
         fresh = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
         plan = _plan_of(fresh, norm, head, head_s)
-        assert plan.has_head() and plan.reason() == ""
+        assert plan.has_head() and plan.reason() == plan.head_reason() == ""
         logits = _plan_run(plan, fresh, True)
         hidden_again = _plan_run(plan, fresh, False)  # the same step again: the same K/V rows rewritten
         assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs + 2
@@ -458,8 +458,11 @@ def test_decode_plan_says_why_it_cannot_run_a_model(fused):
     assert plan.reason() == "qkv: not contiguous" and not plan.has_head()
     assert _plan_run(plan, bad, False) is None
     head = torch.randn(16, args[0].shape[1]).to(torch.bfloat16)  # a head in another dtype: the layers only
-    plan = _plan_of(args, torch.ones(args[0].shape[1]), head)
-    assert plan.reason() == "lm_head: dtype differs from the activations" and not plan.has_head()
+    fresh = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
+    plan = _plan_of(fresh, torch.ones(args[0].shape[1]), head)
+    assert plan.reason() == "" and not plan.has_head()
+    assert plan.head_reason() == "lm_head: dtype differs from the activations"
+    assert torch.equal(_plan_run(plan, fresh, True), _run_decode_layers(args, False)[0])  # hidden states
     few = list(args)
     few[31] = 2  # the kernels' row limit, below the step's 3 rows
     assert _plan_of(few).reason() == "" and _plan_run(_plan_of(few), few, False) is None

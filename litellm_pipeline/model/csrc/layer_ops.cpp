@@ -1065,6 +1065,7 @@ struct DecodePlan : torch::CustomClassHolder {
   at::ScalarType dtype = at::kFloat;
   int64_t num_slots = 0, rows_limit = std::numeric_limits<int64_t>::max(), native_k = 0;
   std::string why;  // why the team cannot run this model ("" when it can)
+  std::string head_why;  // why it runs the layers without the LM head given to it
 
   bool no(const std::string& what) {
     why = what;
@@ -1132,10 +1133,18 @@ struct DecodePlan : torch::CustomClassHolder {
       J.I = std::max(J.I, L.down.K);
       J.layers.push_back(std::move(L));
     }
+    // a head the region cannot run leaves the plan the layers (the caller then runs compute_logits)
+    TeamLinear hl;
     if (head.has_value() && head->defined()) {
-      if (!final_norm.has_value() || !norm_ok(*final_norm, H)) return no("final norm weight");
-      if (!team_linear_of(*head, head_s, c10::nullopt, t, max_rows, H, J.head, why, "lm_head") || head->dim() != 2)
-        return false;
+      if (!final_norm.has_value() || !norm_ok(*final_norm, H)) {
+        head_why = "final norm weight";
+      } else if (head->dim() != 2) {
+        head_why = "lm_head: unexpected shape";
+      } else if (team_linear_of(*head, head_s, c10::nullopt, t, max_rows, H, hl, head_why, "lm_head")) {
+        J.head = hl;
+      }
+    }
+    if (J.head.w != nullptr) {
       limit(J.head);
       J.final_norm = final_norm->data_ptr();
       J.final_eps = static_cast<float>(final_eps);
@@ -1154,6 +1163,7 @@ struct DecodePlan : torch::CustomClassHolder {
 
   bool has_head() const { return why.empty() && job.head.w != nullptr; }
   std::string reason() const { return why; }
+  std::string head_reason() const { return head_why; }
 
   // One decode-only step through every layer (and, with `logits` and a head, the final norm and LM head ->
   // float32 [M, V]), or nullopt where the step is outside what the team runs (more rows than its kernels take,
@@ -1377,7 +1387,8 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
                               logits);
            })
       .def("has_head", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->has_head(); })
-      .def("reason", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->reason(); });
+      .def("reason", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->reason(); })
+      .def("head_reason", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->head_reason(); });
   m.def("small_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("row_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("small_linear_supported", &small_linear_supported);
