@@ -785,8 +785,9 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 // A decode step can run all its layers inside one parallel region. Each thread takes its share of every
 // projection's output rows (of each expert's, in a MoE block) and of the kv heads; the threads meet at a spin
 // barrier only where a step reads rows another thread wrote (five times per layer, dense or MoE: every routed
-// expert's gate_up runs before the one meeting ahead of the downs); the small per-row steps (norms, residual adds, a MoE block's routing and weighted
-// sum) run on every thread at once over whole rows, each thread on its own copy, so they need no meeting.
+// expert's gate_up runs before the one meeting ahead of the downs); the small per-row steps (norms, residual
+// adds, a MoE block's routing and weighted sum) run on every thread at once over whole rows, each thread on its
+// own copy, so they need no meeting.
 // Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
 // during which the other threads wait, and the framework calls between the kernels (allocations, views,
 // index_copy_), all time in which the weight streams stand idle. Every value comes from the same kernels in the
