@@ -280,12 +280,13 @@ class CpuFusedLayerOps(TorchLayerOps):
             return None
         if "plan" not in w:
             w["plan"] = self._build_plan(model, w, h.dtype)
+            w["plan_has_head"] = w["plan"].has_head()  # asked once, not every step
         moe_ks, top_ks, allowed = _layer_limits(w, plan)
         rows, kv_slots = meta.decode_rows, meta.decode_kv_slots.contiguous()
         out = w["plan"].run(h, cos, sin, meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, moe_ks, top_ks,
                             allowed, logits)
         if out is not None:
-            return out if not logits or w["plan"].has_head() else model.compute_logits(out)
+            return out if not logits or w["plan_has_head"] else model.compute_logits(out)
         out = self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
             meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, w["o_w"], w["o_b"], w["post_norm"], w["mlp_a"],

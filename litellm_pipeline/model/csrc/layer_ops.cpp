@@ -1235,7 +1235,7 @@ struct DecodePlan : torch::CustomClassHolder {
     }
     const int nt = std::max(1, at::get_num_threads());
     at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
-    at::Tensor ys = at::empty({M * std::max<int64_t>(J.K, 1), H}, h_in.options());
+    at::Tensor ys = at::empty({packed, H}, h_in.options());
     J.ys = ys.data_ptr();
     J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
     J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
@@ -1297,7 +1297,6 @@ c10::intrusive_ptr<DecodePlan> make_decode_plan(
     bool moe_normalize, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
     at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
     const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
-  const size_t n = in_norm.size();
   check_layer_lists(in_norm.size(), qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a,
                     mlp_b, router, windows, qkv_s, o_s, mlp_a_s, mlp_b_s);
   auto plan = c10::make_intrusive<DecodePlan>();
