@@ -472,6 +472,24 @@ def test_decode_plan_says_why_it_cannot_run_a_model(fused):
     assert torch.equal(out, _run_decode_layers(few, False)[0])
 
 
+def test_decode_plan_declines_rows_that_are_not_one_per_sequence_in_order(fused):
+    """The region's attention items take row m as sequence m's query. A step whose rows are laid out otherwise
+    (here sequences 0 and 1 swapped) is declined, and the decode_layers op runs it op by op with the result of
+    the op-by-op call."""
+    args = _decode_step(torch.float32, 3, 4, 2)
+    swapped = list(args)
+    order = torch.tensor([1, 0, 2])
+    swapped[11] = order  # sequence s's query is row order[s]
+    swapped[12], swapped[13] = args[12][order], args[13][order]  # each row keeps its slots and position
+    assert _plan_run(_plan_of(swapped), swapped, False) is None
+    runs = torch.ops.litellm_pipeline_cpu.decode_team_runs()
+    out, kc, vc = _run_decode_layers(swapped, True)
+    assert torch.ops.litellm_pipeline_cpu.decode_team_runs() == runs  # declined: op by op
+    ref = _run_decode_layers(swapped, False)
+    assert torch.equal(out, ref[0]) and all(torch.equal(a, b) for a, b in zip(kc + vc, ref[1] + ref[2]))
+    assert _plan_run(_plan_of(args), args, False) is not None  # the same step in order runs in the region
+
+
 def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypatch):
     """In an engine every decode-only step gets its logits from the one-region call (compute_logits runs for
     prefill steps only), and the tokens and logprobs equal those of the layers-then-compute_logits path."""

@@ -118,13 +118,14 @@ template <typename T>
 void int8_rows(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t K, int64_t O,
                int64_t o0, int64_t o1);
 
-// paged_attention.cpp: its argument checks, and kv heads [h0, h1) of every query on the calling thread
+// paged_attention.cpp: its argument checks, and kv heads [h0, h1) of the queries of sequences [s0, s1) on the
+// calling thread
 void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& rows, const at::Tensor& slots,
                            const at::Tensor& ctx_lens, int64_t q_len);
 void paged_attention_heads(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
-                           double scale, int64_t window, int64_t h0, int64_t h1);
+                           double scale, int64_t window, int64_t h0, int64_t h1, int64_t s0, int64_t s1);
 
 // paged_attention.cpp's kernel, for ops that run attention inside a larger fused step
 void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -61,6 +61,7 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -783,9 +784,10 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 
 // ---------------------------------------------------------------------------------------------- decode team
 // A decode step can run all its layers inside one parallel region. Each thread takes its share of every
-// projection's output rows (of each expert's, in a MoE block) and of the kv heads; the threads meet at a spin
-// barrier only where a step reads rows another thread wrote (five times per layer, dense or MoE: every routed
-// expert's gate_up runs before the one meeting ahead of the downs); the small per-row steps (norms, residual
+// projection's output rows (of each expert's, in a MoE block), and attention items (a row and a run of its kv
+// heads) from a shared counter until none is left; the threads meet at a spin barrier only where a step reads
+// rows another thread wrote (five times per layer, dense or MoE: every routed expert's gate_up runs before the
+// one meeting ahead of the downs); the small per-row steps (norms, residual
 // adds, a MoE block's routing and weighted sum) run on every thread at once over whole rows, each thread on its
 // own copy, so they need no meeting.
 // Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
@@ -846,6 +848,8 @@ struct TeamLayer {
 struct TeamJob {
   std::vector<TeamLayer> layers;
   int64_t M = 0, H = 0, D = 0, hq = 0, hk = 0, I = 0, K = 0;  // K: the most experts a MoE layer routes a token to
+  int64_t attn_runs = 1;  // a row's kv heads split into this many attention items
+  std::atomic<int64_t>* attn_next = nullptr;  // per layer: the next attention item to take
   float eps = 0, qk_eps = 0, final_eps = 0;
   double scale = 0;
   const void *h_in = nullptr, *cos = nullptr, *sin = nullptr;
@@ -904,32 +908,35 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   const T* cs = static_cast<const T*>(J.cos);
   const T* sn = static_cast<const T*>(J.sin);
   std::memcpy(h, J.h_in, sizeof(T) * M * H);
-  const int64_t kh0 = hk * t / n, kh1 = hk * (t + 1) / n;  // this thread's kv heads (and their G query heads each)
+  const int64_t runs = J.attn_runs, nk = hk / runs, nq = nk * G;  // attention items: (row, run of nk kv heads)
   for (const TeamLayer& L : J.layers) {
     for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(L.in_norm), J.eps, x + m * H, H);
     auto [q0, q1] = share(L.qkv.O, t, n);
     team_linear<T>(x, L.qkv, qkv, M, q0, q1);
     if (!bar.wait()) return;
-    if (kh1 > kh0) {
-      const int64_t nq = (kh1 - kh0) * G, nk = kh1 - kh0;
-      T* kc = L.k_cache.data_ptr<T>();
-      T* vc = L.v_cache.data_ptr<T>();
-      for (int64_t m = 0; m < M; ++m) {
-        T* qh = qkv + m * QKV + kh0 * G * D;
-        T* kh = qkv + m * QKV + (hq + kh0) * D;
-        const T* vh = qkv + m * QKV + (hq + hk + kh0) * D;
-        if (L.q_norm) {
-          for (int64_t j = 0; j < nq; ++j) norm_row<T>(qh + j * D, static_cast<const T*>(L.q_norm), J.qk_eps, qh + j * D, D);
-          for (int64_t j = 0; j < nk; ++j) norm_row<T>(kh + j * D, static_cast<const T*>(L.k_norm), J.qk_eps, kh + j * D, D);
-        }
-        rotate<T>(qh, D, nq, cs + m * D, sn + m * D, D / 2);
-        rotate<T>(kh, D, nk, cs + m * D, sn + m * D, D / 2);
-        const int64_t slot = J.slot_mapping[m];
-        std::memcpy(kc + (slot * hk + kh0) * D, kh, sizeof(T) * nk * D);
-        std::memcpy(vc + (slot * hk + kh0) * D, vh, sizeof(T) * nk * D);
+    // a thread takes the next item until none is left: rows' contexts differ in length, and a thread that
+    // stalls leaves its work to the others. An item rotates its row's q and k heads, writes their K/V rows and
+    // attends them; row m is sequence m's one query (run checks), so no item reads what another writes.
+    std::atomic<int64_t>& next = J.attn_next[&L - J.layers.data()];
+    T* kc = L.k_cache.data_ptr<T>();
+    T* vc = L.v_cache.data_ptr<T>();
+    for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < M * runs;
+         it = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t m = it / runs, kh0 = it % runs * nk;
+      T* qh = qkv + m * QKV + kh0 * G * D;
+      T* kh = qkv + m * QKV + (hq + kh0) * D;
+      const T* vh = qkv + m * QKV + (hq + hk + kh0) * D;
+      if (L.q_norm) {
+        for (int64_t j = 0; j < nq; ++j) norm_row<T>(qh + j * D, static_cast<const T*>(L.q_norm), J.qk_eps, qh + j * D, D);
+        for (int64_t j = 0; j < nk; ++j) norm_row<T>(kh + j * D, static_cast<const T*>(L.k_norm), J.qk_eps, kh + j * D, D);
       }
+      rotate<T>(qh, D, nq, cs + m * D, sn + m * D, D / 2);
+      rotate<T>(kh, D, nk, cs + m * D, sn + m * D, D / 2);
+      const int64_t slot = J.slot_mapping[m];
+      std::memcpy(kc + (slot * hk + kh0) * D, kh, sizeof(T) * nk * D);
+      std::memcpy(vc + (slot * hk + kh0) * D, vh, sizeof(T) * nk * D);
       llp::paged_attention_heads(J.attn, J.q, L.k_cache, L.v_cache, J.rows, J.kv_slots, J.ctx_lens, 1, J.scale,
-                                 L.window, kh0, kh1);
+                                 L.window, kh0, kh0 + nk, m, m + 1);
     }
     if (!bar.wait()) return;
     auto [h0, h1] = share(H, t, n);
@@ -1187,6 +1194,11 @@ struct DecodePlan : torch::CustomClassHolder {
       return c10::nullopt;
     if (slot_mapping.scalar_type() != at::kLong || slot_mapping.numel() != M || !slot_mapping.is_contiguous())
       return c10::nullopt;
+    // row m is sequence m's one query (a decode-only step's layout): the region's attention items rely on it
+    if (rows.scalar_type() != at::kLong || rows.numel() != M || !rows.is_contiguous()) return c10::nullopt;
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      if (rp[m] != m) return c10::nullopt;
     const size_t n = job.layers.size();
     const bool moe = job.layers[0].router.defined();
     TORCH_CHECK(moe_ks.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
@@ -1234,6 +1246,15 @@ struct DecodePlan : torch::CustomClassHolder {
       J.head_out = nullptr;
     }
     const int nt = std::max(1, at::get_num_threads());
+    // the fewest runs of kv heads per row (the longest contiguous K/V reads) that make two items per thread
+    J.attn_runs = hk;
+    for (int64_t r = 1; r <= hk; ++r)
+      if (hk % r == 0 && M * r >= 2 * nt) {
+        J.attn_runs = r;
+        break;
+      }
+    std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[n]());
+    J.attn_next = attn_next.get();
     at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
     at::Tensor ys = at::empty({packed, H}, h_in.options());
     J.ys = ys.data_ptr();

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,29 +38,19 @@ using llp::to_f;
 // scores minus their running max are <= 0
 inline float exp_neg(float x) { return llp::exp_f(x); }
 
-template <typename T, int64_t DC>
-inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
-  if (DC) d = DC;
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
-  return s;
-}
-
-template <typename T, int64_t DC>
-inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t d) {
-  if (DC) d = DC;
-#pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(v[i]);
-}
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// float16 K/V: vcvtph2ps widens 8 values in one instruction (the portable conversion takes about ten per value).
+#define LLP_PA_AVX2 1
+// 16-bit K/V: 8 values widened at once (vcvtph2ps for float16; a shift into the top half for bfloat16, exact),
+// where the portable loop converts one value at a time and leaves the kernel compute-bound.
 // 8 lanes of float32 partial sums, then a fixed horizontal sum: a query row's result does not depend on others.
 inline __m256 load8h(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8h(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
 
-template <>
-inline float dot<c10::Half, 64>(const float* __restrict q, const c10::Half* __restrict k, int64_t) {
+template <typename T>
+inline float dot16_64(const float* __restrict q, const T* __restrict k) {
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
   for (int64_t i = 0; i < 64; i += 16) {
     a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8h(k + i), a0);
@@ -70,21 +61,48 @@ inline float dot<c10::Half, 64>(const float* __restrict q, const c10::Half* __re
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
-template <>
-inline float dot<c10::Half, 128>(const float* __restrict q, const c10::Half* __restrict k, int64_t) {
-  return dot<c10::Half, 64>(q, k, 64) + dot<c10::Half, 64>(q + 64, k + 64, 64);
-}
-template <>
-inline void axpy<c10::Half, 64>(float* __restrict acc, float p, const c10::Half* __restrict v, int64_t) {
+template <typename T>
+inline void axpy16_64(float* __restrict acc, float p, const T* __restrict v) {
   const __m256 pv = _mm256_set1_ps(p);
   for (int64_t i = 0; i < 64; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(pv, load8h(v + i), _mm256_loadu_ps(acc + i)));
 }
-template <>
-inline void axpy<c10::Half, 128>(float* __restrict acc, float p, const c10::Half* __restrict v, int64_t) {
-  axpy<c10::Half, 64>(acc, p, v, 64);
-  axpy<c10::Half, 64>(acc + 64, p, v + 64, 64);
-}
+#else
+#define LLP_PA_AVX2 0
 #endif
+
+// the vector path: 16-bit K/V with a head dim that is a compile-time multiple of 64 (64 and 128)
+template <typename T, int64_t DC>
+constexpr bool kVec16 = LLP_PA_AVX2 && DC > 0 && DC % 64 == 0 &&
+                        (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>);
+
+template <typename T, int64_t DC>
+inline float dot(const float* __restrict q, const T* __restrict k, int64_t d) {
+#if LLP_PA_AVX2
+  if constexpr (kVec16<T, DC>) {
+    float s = dot16_64(q, k);
+    for (int64_t i = 64; i < DC; i += 64) s += dot16_64(q + i, k + i);
+    return s;
+  }
+#endif
+  if (DC) d = DC;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * to_f(k[i]);
+  return s;
+}
+
+template <typename T, int64_t DC>
+inline void axpy(float* __restrict acc, float p, const T* __restrict v, int64_t d) {
+#if LLP_PA_AVX2
+  if constexpr (kVec16<T, DC>) {
+    for (int64_t i = 0; i < DC; i += 64) axpy16_64(acc + i, p, v + i);
+    return;
+  }
+#endif
+  if (DC) d = DC;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] += p * to_f(v[i]);
+}
 
 inline void prefetch(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -276,13 +294,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) { run<decltype(tag)>(job); });
 }
 
-// every query over the job's kv heads from h0 (jb.sh.nh of them), all on the calling thread: paged_attention's
-// arithmetic (a query head's result does not depend on which heads share its work item), for callers that split
-// heads over their own threads
+// the queries of sequences [s0, s1) over the job's kv heads from h0 (jb.sh.nh of them), all on the calling
+// thread: paged_attention's arithmetic (a query head's result does not depend on which heads share its work
+// item), for callers that split sequences and heads over their own threads
 template <typename T>
-void run_heads(const Job& jb, int64_t h0) {
-  std::vector<float> ws(item_scratch(jb.sh));
-  for (int64_t s = 0; s < jb.num_seqs; ++s)
+void run_heads(const Job& jb, int64_t h0, int64_t s0, int64_t s1) {
+  thread_local std::vector<float> ws;
+  ws.resize(item_scratch(jb.sh));
+  for (int64_t s = s0; s < s1; ++s)
     for (int64_t i = 0; i < jb.q_len; ++i) attend_item<T>(jb, s, i, h0, ws.data());
 }
 
@@ -297,10 +316,13 @@ void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at:
 
 void paged_attention_heads(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& ctx_lens, int64_t q_len,
-                           double scale, int64_t window, int64_t h0, int64_t h1) {
-  if (h1 <= h0 || slots.size(0) == 0) return;
+                           double scale, int64_t window, int64_t h0, int64_t h1, int64_t s0, int64_t s1) {
+  s1 = std::min(s1, slots.size(0));
+  if (h1 <= h0 || s1 <= s0) return;
   const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window, h1 - h0);
-  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) { run_heads<decltype(tag)>(job, h0); });
+  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) {
+    run_heads<decltype(tag)>(job, h0, s0, s1);
+  });
 }
 
 void run_paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
