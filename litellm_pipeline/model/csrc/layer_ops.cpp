@@ -103,7 +103,7 @@ constexpr int kTileR = 4, kTileR1 = 8;  // weight rows per tile: several input r
 // MC input rows x R weight rows over the whole K; writes y[m * ldy + r] (+ bias[r]). DP (bf16 only): pairs of
 // products through vdpbf16ps instead of widening to float32 and one FMA each (twice the products per
 // instruction; denormal inputs count as zero) -- row_linear's arithmetic, never small_linear's.
-template <typename T, int MC, int R, bool DP = false>
+template <typename T, int MC, int R, bool DP = false, bool PF = false>
 inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const T* __restrict bias,
                  T* __restrict y, int64_t ldy) {
   __m512 acc[MC][R];
@@ -196,7 +196,7 @@ constexpr int kTileR = 2, kTileR1 = 4;
 
 // MC input rows x R weight rows over the whole K, 8 lanes at a time (16-bit values widened exactly on load),
 // a scalar float32 tail; each output one float32 sum rounded once. DP is the AVX-512 BF16 variant's flag.
-template <typename T, int MC, int R, bool DP = false>
+template <typename T, int MC, int R, bool DP = false, bool PF = (MC == 1)>
 inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const T* __restrict bias,
                  T* __restrict y, int64_t ldy) {
   __m256 acc[MC][R];
@@ -214,15 +214,17 @@ inline void tile(const T* __restrict x, int64_t K, const T* __restrict w, const 
     }
   };
   int64_t k = 0;
-  if constexpr (MC == 1) {
-    // one input row: a block of 32 columns of every row, and as many lines of the next tile (the R rows after
-    // these, contiguous) asked for first in memory order, so it arrives as one sequential stream while this tile
-    // computes. R short strided rows stream poorly on their own: memory order measured 27 -> 38 GB/s on 768-wide
-    // float16 matrices and 28 -> 31 GB/s on 512-wide float32 ones (2-core AMD EPYC). Prefetching past the end is
-    // harmless; the arithmetic is the same 8-lane steps in the same order. Rows of 4 KB and more stream well
-    // on the hardware prefetcher alone, and the extra requests then cost bandwidth (float32 768 x 2048: 27.7
-    // -> 30.2 GB/s without them, 512 x 1408: 29.6 -> 30.6; float32 768-wide rows: 27.6 -> 26.2, bfloat16 1408-wide
-    // 24.2 -> 21.3 without; 2-core AMD EPYC), so only shorter rows ask.
+  if constexpr (PF) {
+    // PF (one input row, or the first input rows of a weight tile): a block of 32 columns of every row, and as
+    // many lines of the next tile (the R rows after these, contiguous) asked for first in memory order, so it
+    // arrives as one sequential stream while this tile computes. R short strided rows stream poorly on their
+    // own: memory order measured 27 -> 38 GB/s on 768-wide float16 matrices and 28 -> 31 GB/s on 512-wide
+    // float32 ones, and a 16-row decode step of llama125m float32 went 69-71 -> 55-62 ms with the first input
+    // rows asking too. Prefetching past the end is harmless; the arithmetic is the same 8-lane steps in the same
+    // order. Rows of 4 KB and more stream well on the hardware prefetcher alone, and the extra requests then
+    // cost bandwidth (float32 768 x 2048: 27.7 -> 30.2 GB/s without them, 512 x 1408: 29.6 -> 30.6; float32
+    // 768-wide rows: 27.6 -> 26.2, bfloat16 1408-wide 24.2 -> 21.3 without), so only shorter rows ask. (All on
+    // a 2-core AMD EPYC.)
     const bool ask = K * static_cast<int64_t>(sizeof(T)) < kPrefetchRowBytes;
     for (; k + 32 <= K; k += 32) {
       if (ask) {
@@ -255,6 +257,17 @@ inline void tile_rest(const T* x, int64_t M, int64_t K, const T* w, const T* bia
   for (int64_t m = 0; m < M; ++m) tile<T, 1, 1, DP>(x + m * K, K, w, bias, y + m * ldy, ldy);
 }
 
+// a tile of mc (1-4) input rows
+template <typename T, int R, bool DP, bool PF>
+inline void tile_rows(int64_t mc, const T* x, int64_t K, const T* w, const T* bias, T* y, int64_t ldy) {
+  switch (mc) {
+    case 4: return tile<T, 4, R, DP, PF>(x, K, w, bias, y, ldy);
+    case 3: return tile<T, 3, R, DP, PF>(x, K, w, bias, y, ldy);
+    case 2: return tile<T, 2, R, DP, PF>(x, K, w, bias, y, ldy);
+    default: return tile<T, 1, R, DP, PF>(x, K, w, bias, y, ldy);
+  }
+}
+
 // y[m, o] for all M rows and output rows [o0, o1): R weight rows x 4 input rows per tile
 template <typename T, bool DP>
 inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* bias, T* y, int64_t O, int64_t o0,
@@ -264,13 +277,11 @@ inline void linear_block(const T* x, int64_t M, int64_t K, const T* w, const T* 
   for (; o + R <= o1; o += R) {
     const T* wt = w + o * K;
     const T* bt = bias ? bias + o : nullptr;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) tile<T, 4, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O);
-    switch (M - m) {
-      case 1: tile<T, 1, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
-      case 2: tile<T, 2, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
-      case 3: tile<T, 3, R, DP>(x + m * K, K, wt, bt, y + m * O + o, O); break;
-      default: break;
+    // the first input rows ask for the next weight tile's lines (see tile); the others find these in cache
+    for (int64_t m = 0; m < M; m += 4) {
+      const int64_t mc = std::min<int64_t>(4, M - m);
+      if (m == 0) tile_rows<T, R, DP, true>(mc, x, K, wt, bt, y + o, O);
+      else tile_rows<T, R, DP, false>(mc, x + m * K, K, wt, bt, y + m * O + o, O);
     }
   }
   for (; o < o1; ++o) tile_rest<T, DP>(x, M, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
