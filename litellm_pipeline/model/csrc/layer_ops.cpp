@@ -1257,10 +1257,11 @@ struct DecodePlan : torch::CustomClassHolder {
       J.head_out = nullptr;
     }
     const int nt = std::max(1, at::get_num_threads());
-    // the fewest runs of kv heads per row (the longest contiguous K/V reads) that make two items per thread
+    // the fewest runs of kv heads per row (the longest contiguous K/V reads) that make two items per thread, so
+    // a thread that stalls leaves work to the others; one per thread for a row decoding alone (equal items)
     J.attn_runs = hk;
     for (int64_t r = 1; r <= hk; ++r)
-      if (hk % r == 0 && M * r >= 2 * nt) {
+      if (hk % r == 0 && M * r >= nt * std::min<int64_t>(M, 2)) {
         J.attn_runs = r;
         break;
       }
