@@ -798,9 +798,9 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 // projection's output rows (of each expert's, in a MoE block), and attention items (a row and a run of its kv
 // heads) from a shared counter until none is left; the threads meet at a spin barrier only where a step reads
 // rows another thread wrote (five times per layer, dense or MoE: every routed expert's gate_up runs before the
-// one meeting ahead of the downs); the small per-row steps (norms, residual
-// adds, a MoE block's routing and weighted sum) run on every thread at once over whole rows, each thread on its
-// own copy, so they need no meeting.
+// one meeting ahead of the downs); the small per-row steps (norms, residual adds, a MoE block's routing and
+// weighted sum) run on every thread at once over whole rows, each thread on its own copy, so they need no
+// meeting.
 // Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
 // during which the other threads wait, and the framework calls between the kernels (allocations, views,
 // index_copy_), all time in which the weight streams stand idle. Every value comes from the same kernels in the
