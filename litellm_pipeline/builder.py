@@ -313,6 +313,12 @@ def build_from_app(app: AppConfig) -> Engine:
         except (TypeError, ValueError, registry.RegistryError) as exc:
             raise ConfigError(f"pipeline.stages.{name}.params: {exc}") from exc
         (request_stages if cls.level == "request" else step_stages).append(stage)
+    # a stage that can hand each logits row's argmax on (decode: its fused kernels find it as they write the
+    # logits) does so only where the stage right after it reads it, so no stage between them changed the logits
+    for stage, after in zip(step_stages, step_stages[1:]):
+        reads = type(after).inputs + getattr(type(after), "optional_inputs", ())
+        if "logits_argmax" in type(stage).outputs and "logits_argmax" in reads:
+            stage.argmax = True
     if app.device.compile:  # after the stages bound their implementations into the model
         model.forward = torch.compile(model.forward, dynamic=True)
     return Engine(rt, request_stages, step_stages)

@@ -297,6 +297,11 @@ class Sampler(Protocol):
         ``rows[i].generator`` (seeded per request; never torch's global RNG), so the same seed gives the same
         tokens whatever else shares the batch; a greedy row (``params.greedy``) takes the argmax (ties: the
         lowest id). The engine restores each generator if the step fails, so drawing is always safe.
+
+        A sampler whose ``__call__`` also takes an ``argmax`` keyword gets, on steps where the decode stage has
+        it, each row's first maximum of ``logits`` (a long ``[R]``, NaN counting as the maximum, as
+        ``logits.max(-1).indices``), found by the model's fused decode as it wrote the logits; no stage ran
+        between the two. Greedy rows may take it instead of searching the logits again.
         """
 
 

@@ -31,6 +31,52 @@ register("stage", "test_replace_token")(ReplaceToken)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
+class BiasToken(Stage):
+    """Between decode and sample: raises one token's logit in place."""
+
+    inputs = ("logits",)
+    outputs = ("logits",)
+
+    def __init__(self, rt, token: int):
+        super().__init__(rt)
+        self.token = token
+
+    def __call__(self, ctx) -> None:
+        if ctx.logits is not None:
+            ctx.logits[:, self.token] += 1e4
+
+
+register("stage", "test_bias_token")(BiasToken)
+
+
+def _stage(llm, cls_name):
+    return next(s for s in llm.engine.step_stages if type(s).__name__ == cls_name)
+
+
+def test_greedy_decode_steps_take_the_argmax_found_with_the_logits(hf_checkpoint, monkeypatch):
+    """With sample right after decode, decode-only steps hand the sampler each row's argmax (found by the fused
+    decode as it wrote the logits): the sampler searches the logits only in the prefill step. A stage between
+    them that changes the logits in place turns that off, and its change is what gets sampled."""
+    from litellm_pipeline.sampling import samplers
+
+    path = str(hf_checkpoint("llama"))
+    prompt = [5, 6, 7, 8, 9]
+    plain = LLM(model=path)
+    assert _stage(plain, "Decode").argmax
+    searched = []
+    real = samplers._argmax
+    monkeypatch.setattr(samplers, "_argmax", lambda x: searched.append(x.shape[0]) or real(x))
+    base = plain.generate(prompt, GREEDY)[0].token_ids
+    assert searched == [1]  # the prefill step's; the 11 decode steps took the region's
+    token = next(t for t in range(50, 500) if t not in base)
+    biased = LLM(model=path, overrides=[f"+pipeline.stages.bias={{impl: test_bias_token, params: {{token: {token}}}}}",
+                                        "pipeline.order=[admit,select_tier,route,prefill,decode,bias,sample,emit]"])
+    assert not _stage(biased, "Decode").argmax
+    searched.clear()
+    assert biased.generate(prompt, GREEDY)[0].token_ids == [token] * GREEDY.max_tokens
+    assert len(searched) == GREEDY.max_tokens
+
+
 def test_swap_sampler_by_one_override(hf_checkpoint):
     path = str(hf_checkpoint("llama"))
     prompt = [5, 6, 7, 8, 9]

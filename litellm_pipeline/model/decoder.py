@@ -158,6 +158,24 @@ class CausalLM(nn.Module):
             h = layer(h, cos, sin, meta, k_cache, v_cache, plan[i] if layered else plan)
         return self.compute_logits(h) if logits else h
 
+    def decode_tokens(self, input_ids: torch.Tensor, kv_slots: torch.Tensor, ctx_lens: torch.Tensor,
+                      kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                      plan: RoutePlan | tuple[RoutePlan | None, ...] | None = None, logits: bool = False,
+                      argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A decode-only step from its tokens, where the layer ops run one whole (``decode_tokens``): sequence b
+        feeds ``input_ids[b]`` at position ``ctx_lens[b] - 1``, writes its K/V to ``kv_slots[b, ctx_lens[b] - 1]``
+        and attends ``kv_slots[b, :ctx_lens[b]]``. Returns what :meth:`forward` returns for that step, with
+        ``argmax`` (and ``logits``) paired with each row's first maximum of the logits when the ops computed it
+        (else None); None where the ops do not take the step (then build its metadata and call forward). Call
+        it inside ``torch.inference_mode``."""
+        if self.fused_decode_layers is None:
+            return None
+        take = getattr(self.ops, "decode_tokens", None)
+        tables = self.rotary.tables(self.embed_tokens.dtype) if take is not None else None
+        if tables is None:
+            return None
+        return take(self, input_ids, self.embed_tokens, tables, kv_slots, ctx_lens, kv_caches, plan, logits, argmax)
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows that need a next token; float32 logits [R, V]."""

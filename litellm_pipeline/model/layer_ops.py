@@ -264,6 +264,48 @@ class CpuFusedLayerOps(TorchLayerOps):
         """
         if not (self._fits(h) and cos.dtype == h.dtype):
             return None
+        w = self._plan_weights(model, kv_caches, h)
+        if w is None:
+            return None
+        moe_ks, top_ks, allowed = _layer_limits(w, plan)
+        rows, kv_slots = meta.decode_rows, meta.decode_kv_slots.contiguous()
+        out = w["plan"].run(h, cos, sin, meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, moe_ks, top_ks,
+                            allowed, logits)
+        if out is not None:
+            return out if not logits or w["plan_has_head"] else model.compute_logits(out)
+        out = self._decode_layers(
+            h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
+            meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, w["o_w"], w["o_b"], w["post_norm"], w["mlp_a"],
+            w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"], w["scale"], w["num_heads"],
+            w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed, w["moe_normalize"],
+            self.max_rows.get(h.dtype, 0), *w["scales"], False,
+        )
+        return model.compute_logits(out) if logits else out
+
+    def decode_tokens(self, model, input_ids, embed, tables, kv_slots, ctx_lens, kv_caches, plan, logits=False,
+                      argmax=False):
+        """``decode_layers`` of a decode-only step from its tokens (see ``CausalLM.decode_tokens``): the C++ plan
+        embeds them, takes their rows of the rotary ``tables`` (cos, sin) at ``ctx_lens - 1`` and their new K/V
+        slots itself, so the step costs no framework call between the region and the tensors it is given.
+        Returns ``(out, argmax or None)``, or None where the plan does not take the step."""
+        if not (self._fits(embed) and input_ids.is_cpu):
+            return None
+        w = self._plan_weights(model, kv_caches, embed)
+        if w is None:
+            return None
+        moe_ks, top_ks, allowed = _layer_limits(w, plan)
+        head = logits and w["plan_has_head"]
+        got = w["plan"].run_tokens(input_ids, embed, tables[0], tables[1], kv_slots, ctx_lens, moe_ks, top_ks,
+                                   allowed, head, head and argmax)
+        if not got:
+            return None
+        if logits and not head:
+            return model.compute_logits(got[0]), None
+        return got[0], (got[1] if len(got) > 1 else None)
+
+    def _plan_weights(self, model, kv_caches, h: torch.Tensor) -> dict | None:
+        """``model.decode_weights`` with its C++ DecodePlan for activations like ``h``, built on first use and
+        kept until the caches change; None where the plan cannot take them (cache dtype, mixed weights)."""
         w = model.decode_weights
         if w.get("k_caches") is None or w["k_caches"][0] is not kv_caches[0][0]:  # checked once per cache set
             w["k_caches"] = [k for k, _ in kv_caches]
@@ -281,20 +323,7 @@ class CpuFusedLayerOps(TorchLayerOps):
         if "plan" not in w:
             w["plan"] = self._build_plan(model, w, h.dtype)
             w["plan_has_head"] = w["plan"].has_head()  # asked once, not every step
-        moe_ks, top_ks, allowed = _layer_limits(w, plan)
-        rows, kv_slots = meta.decode_rows, meta.decode_kv_slots.contiguous()
-        out = w["plan"].run(h, cos, sin, meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, moe_ks, top_ks,
-                            allowed, logits)
-        if out is not None:
-            return out if not logits or w["plan_has_head"] else model.compute_logits(out)
-        out = self._decode_layers(
-            h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
-            meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, w["o_w"], w["o_b"], w["post_norm"], w["mlp_a"],
-            w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"], w["scale"], w["num_heads"],
-            w["num_kv_heads"], w["head_dim"], moe_ks, top_ks, allowed, w["moe_normalize"],
-            self.max_rows.get(h.dtype, 0), *w["scales"], False,
-        )
-        return model.compute_logits(out) if logits else out
+        return w
 
     def _build_plan(self, model, w: dict, dtype: torch.dtype):
         """The C++ DecodePlan of ``model``'s decode weights; with the final norm and LM head where the region

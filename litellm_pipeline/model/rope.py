@@ -168,13 +168,21 @@ class RotaryEmbedding:
         if self.rope_type == "dynamic":
             cos, sin = self._dynamic_half_cos_sin(positions, seq_lens)
             return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
-        # whole-width tables in the dtype, made once: a decode step then costs two index_selects (the same values:
-        # concatenating and rounding commute)
+        full = self.tables(dtype)
+        return full[0].index_select(0, positions), full[1].index_select(0, positions)
+
+    def tables(self, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole-width cos, sin tables ``[N, head_dim]`` in ``dtype`` (row p: position p), or None for
+        ``dynamic``, whose values depend on the sequence length. Rebuilt when :meth:`reserve` grows them."""
+        if self.rope_type == "dynamic":
+            return None
+        # made once per dtype: a decode step then costs two row lookups (the same values: concatenating and
+        # rounding commute)
         full = self._full.get(dtype)
         if full is None:
             full = self._full[dtype] = (torch.cat((self._cos, self._cos), dim=-1).to(dtype),
                                         torch.cat((self._sin, self._sin), dim=-1).to(dtype))
-        return full[0].index_select(0, positions), full[1].index_select(0, positions)
+        return full
 
     def _dynamic_half_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor | None):
         if seq_lens is None:

@@ -154,6 +154,11 @@ def _draw(x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return (x.softmax(-1) / noise).argmax(-1)
 
 
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` without the call where it is float32 already (a decode step's logits)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def _argmax(x: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN counts as the maximum), as ``x.max(-1).indices``: through the C++ kernel
     for float32 CPU logits when the engine has built it (layer_ops cpu_fused / cpu_int8), else torch's."""
@@ -204,20 +209,25 @@ class Sampler:
     def __init__(self, **params: Any) -> None:
         _no_params("default", params)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Pick one token per row of ``logits`` (``[len(rows), vocab]``, any float dtype)."""
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """Pick one token per row of ``logits`` (``[len(rows), vocab]``, any float dtype); ``argmax``: each
+        row's first maximum of the logits, where the step computed it (then greedy rows without penalties take
+        it instead of searching the logits again)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
-        raw = logits.float()
-        x = apply_penalties(raw.clone(), rows) if _any_penalty(rows) else raw
-        tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+        raw = _float(logits)
+        penalties = _any_penalty(rows)
+        x = apply_penalties(raw.clone(), rows) if penalties else raw
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sample = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(greedy) == len(rows):
-            tokens = _argmax(x)
-        elif greedy:
-            g_idx = _host_tensor(greedy, torch.long, raw.device)
-            tokens[g_idx] = _argmax(x[g_idx])
+            tokens = argmax if argmax is not None and not penalties else _argmax(x)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+            if greedy:
+                g_idx = _host_tensor(greedy, torch.long, raw.device)
+                tokens[g_idx] = _argmax(x[g_idx])
         if sample:
             s_rows = [rows[i] for i in sample]
             if len(sample) == len(rows):
@@ -236,9 +246,10 @@ class GreedySampler:
     def __init__(self, **params: Any) -> None:
         _no_params("greedy", params)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """Pick the argmax token of each row of ``logits``."""
-        raw = logits.float()
-        tokens = _argmax(raw)
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """Pick the argmax token of each row of ``logits`` (``argmax``: those, where the step computed them)."""
+        raw = _float(logits)
+        tokens = argmax if argmax is not None else _argmax(raw)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _logprobs(raw, tokens, rows, token_list))

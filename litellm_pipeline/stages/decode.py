@@ -24,7 +24,7 @@ from litellm_pipeline.stages.base import Stage, StepContext
 @register("stage", "decode")
 class Decode(Stage):
     inputs = ("schedule", "kv_layout", "prefill_batch", "route_plan")
-    outputs = ("logits", "sample_requests")
+    outputs = ("logits", "sample_requests", "logits_argmax")
 
     def __init__(self, rt, attention: str = "sdpa", moe_dispatch: str = "packed", layer_ops: str = "torch",
                  layer_ops_params: dict | None = None):
@@ -45,11 +45,18 @@ class Decode(Stage):
                       huge_pages=rt.huge_pages)
         # decode-only steps through captured CUDA graphs (device.cuda_graphs on a GPU; see model/cuda_graphs.py)
         self.graphs = decode_graphs(rt, CudaGraphBackend(rt.device)) if rt.cuda_graphs else None
+        # whether to hand the sample stage each row's argmax with the logits (the model's fused decode computes
+        # it while the logits are in cache): set by the builder where the stage right after this one reads
+        # logits_argmax, so no stage between them can have changed the logits
+        self.argmax = False
 
     def __call__(self, ctx: StepContext) -> None:
         rt, pb, kv = self.rt, ctx.prefill_batch, ctx.kv_layout
         dev = rt.device
         decodes = ctx.schedule[len(pb.requests) :]
+        ctx.logits_argmax = None
+        if decodes and not pb.requests and self.graphs is None and self._decode_only(ctx, decodes):
+            return
         ids = list(pb.token_ids)
         positions, slots, rope_lens = list(pb.positions), list(pb.slots), list(pb.rope_seq_lens)
         meta_kw = {}
@@ -94,6 +101,22 @@ class Decode(Stage):
             ctx.logits = rt.model.compute_logits(hidden)
         else:
             ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
+
+
+    def _decode_only(self, ctx: StepContext, decodes: list) -> bool:
+        """A step of decodes alone straight from its tokens, where the model's fused decode takes it: no
+        metadata tensors built (see ``CausalLM.decode_tokens``). False where it does not (then the general path)."""
+        rt, kv = self.rt, ctx.kv_layout
+        if any(r.num_computed + 1 != r.num_tokens for r, _ in decodes):
+            return False  # a prompt's one-token chunk that does not reach its end: not every row samples
+        ids = torch.tensor([r.token_at(r.num_computed, r.num_computed + 1)[0] for r, _ in decodes])
+        got = rt.model.decode_tokens(ids, kv.decode_slots, kv.decode_ctx_lens, rt.kv_caches, ctx.route_plan,
+                                     logits=True, argmax=self.argmax)
+        if got is None:
+            return False
+        ctx.sample_requests = [r for r, _ in decodes]
+        ctx.logits, ctx.logits_argmax = got
+        return True
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from litellm_pipeline import registry
 from litellm_pipeline.engine.request import Sample as SampledToken
 from litellm_pipeline.registry import register
@@ -12,11 +14,14 @@ from litellm_pipeline.stages.base import Stage, StepContext
 @register("stage", "sample")
 class Sample(Stage):
     inputs = ("logits", "sample_requests")
+    optional_inputs = ("logits_argmax",)
     outputs = ("samples",)
 
     def __init__(self, rt, sampler: str = "default", **sampler_params):
         super().__init__(rt)
         self.sampler = registry.get("sampler", sampler)(**sampler_params)
+        # samplers that take each row's argmax as computed with the logits (see the Sampler interface)
+        self.takes_argmax = "argmax" in inspect.signature(self.sampler.__call__).parameters
 
     def __call__(self, ctx: StepContext) -> None:
         reqs = ctx.sample_requests
@@ -24,5 +29,9 @@ class Sample(Stage):
             ctx.samples = []
             return
         rows = [SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids) for r in reqs]
-        out = self.sampler(ctx.logits, rows)
+        argmax = getattr(ctx, "logits_argmax", None)
+        if argmax is not None and self.takes_argmax:
+            out = self.sampler(ctx.logits, rows, argmax=argmax)
+        else:
+            out = self.sampler(ctx.logits, rows)
         ctx.samples = [SampledToken(r, t, lp) for r, t, lp in zip(reqs, out.token_ids, out.logprobs)]

@@ -230,14 +230,17 @@ def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
         fused, plain = make(over), make(over)
         _op_by_op(plain)
         model = fused.engine.rt.model
-        whole, ran = model.fused_decode_layers, []
+        ran = []
 
-        def spy(*args, **kw):  # the whole-model call must run, not decline
-            out = whole(*args, **kw)
-            ran.append(out is not None)
-            return out
+        def spy(whole):  # the whole-model call (from the step's metadata, or its tokens) must run, not decline
+            def call(*args, **kw):
+                out = whole(*args, **kw)
+                ran.append(out is not None)
+                return out
+            return call
 
-        model.fused_decode_layers = spy
+        model.fused_decode_layers = spy(model.fused_decode_layers)
+        model.decode_tokens = spy(model.decode_tokens)
         prompts = PROMPTS[:6] if model.cfg.is_moe else [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
         assert _run(fused, prompts) == _run(plain, prompts)
         assert ran and all(ran)

@@ -239,9 +239,11 @@ def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, fused, mon
     llm = LLM(model=str(hf_checkpoint("qwen3_moe")), overrides=["+tiers.mix.experts_per_token=[1,4]"])
     engine, model = llm.engine, llm.engine.rt.model
     taken = []
-    real = model.fused_decode_layers
+    real, real_tokens = model.fused_decode_layers, model.decode_tokens  # both take the step's plan last
     monkeypatch.setattr(model, "fused_decode_layers",
                         lambda *a, **k: taken.append((a[-1], out := real(*a, **k))) or out)
+    monkeypatch.setattr(model, "decode_tokens",
+                        lambda *a, **k: taken.append((a[-1], out := real_tokens(*a, **k))) or out)
     prompts = random_prompts((6, 9, 4), seed=13)
     tiers = ("fast", "max", "mix")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -491,8 +493,9 @@ def test_decode_plan_declines_rows_that_are_not_one_per_sequence_in_order(fused)
 
 
 def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypatch):
-    """In an engine every decode-only step gets its logits from the one-region call (compute_logits runs for
-    prefill steps only), and the tokens and logprobs equal those of the layers-then-compute_logits path."""
+    """In an engine every decode-only step gets its logits (and greedy tokens) from the one-region call, straight
+    from its tokens (compute_logits runs for prefill steps only), and the tokens and logprobs equal those of the
+    metadata-then-layers-then-compute_logits path with the sampler's own argmax."""
     path = hf_checkpoint("llama")
     prompts = random_prompts((5, 11), seed=4)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -507,12 +510,101 @@ def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypat
     assert steps >= params.max_tokens - 1 and model.decode_weights["plan"].has_head()
     assert len(calls) <= 2  # the prefill step(s); no decode step reached compute_logits
     real_layers = model.fused_decode_layers
+    monkeypatch.setattr(model, "decode_tokens", lambda *a, **k: None)  # steps through forward's metadata
     monkeypatch.setattr(model, "fused_decode_layers",  # the layers' hidden states, then compute_logits
                         lambda *a, logits=False: model.compute_logits(real_layers(*a)) if logits else real_layers(*a))
     again = llm.generate(prompts, params)
     assert len(calls) > 2 + params.max_tokens // 2
     assert [(o.token_ids, o.logprobs) for o in outs] == [(o.token_ids, o.logprobs) for o in again]
     assert llm.engine.rt.pool.is_empty()
+
+
+def _tokens_step(args, seed=1):
+    """_decode_step's step as run_tokens takes it: an embedding table and token ids whose rows are its input
+    rows, rotary tables whose rows at ctx_lens - 1 are its cos / sin."""
+    g = torch.Generator().manual_seed(seed)
+    h, cos, sin, lens = args[0], args[6], args[7], args[13]
+    rows, H = h.shape
+    ids = torch.randperm(50, generator=g)[:rows]
+    embed = (torch.randn(50, H, generator=g) * 0.5).to(h.dtype)
+    embed[ids] = h
+    P = int(lens.max()) + 3
+    ct = torch.randn(P, cos.shape[1], generator=g).to(h.dtype)
+    st = torch.randn(P, cos.shape[1], generator=g).to(h.dtype)
+    ct[lens - 1], st[lens - 1] = cos, sin
+    return ids, embed, ct, st
+
+
+def _tokens_run(plan, args, tokens, logits, argmax):
+    a = args
+    return plan.run_tokens(*tokens, a[12], a[13], a[27], a[28], a[29], logits, argmax)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize(
+    "case",
+    [dict(dtype=torch.float32, rows=1, hq=4, hk=2), dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, experts=5),
+     dict(dtype=torch.float16, rows=2, hq=4, hk=4, window=6, qk_norm=True),
+     dict(dtype=torch.float32, rows=3, hq=4, hk=2, int8=True, experts=4, limits=True)],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
+)
+def test_decode_plan_runs_a_step_from_its_tokens_as_from_its_metadata(fused, case, threads):
+    """run_tokens (the plan embeds the ids, takes the rotary rows at ctx_lens - 1 and the new K/V slots from the
+    slot table itself) gives run's logits and K/V caches bit for bit, and each row's argmax as argmax_rows and
+    torch's max give it; a step it cannot take (past the rotary tables) is declined with []."""
+    dtype = case["dtype"]
+    args = _decode_step(**case)
+    tokens = _tokens_step(args)
+    g = torch.Generator().manual_seed(7)
+    V, H = 37, args[0].shape[1]
+    norm = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    head = (torch.randn(V, H, generator=g) * 0.2).to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        a1 = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
+        a2 = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
+        ref = _plan_run(_plan_of(a1, norm, head), a1, True)
+        plan = _plan_of(a2, norm, head)
+        logits, idx = _tokens_run(plan, a2, tokens, True, True)
+        hidden = _tokens_run(plan, a2, tokens, False, False)  # the same step again, hidden states only
+        short = list(tokens)
+        short[2], short[3] = tokens[2][:2], tokens[3][:2]  # tables shorter than the positions
+        assert _tokens_run(plan, a2, short, True, True) == []
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits, ref)
+    assert torch.equal(idx, torch.ops.litellm_pipeline_cpu.argmax_rows(ref)) and torch.equal(idx, ref.max(-1).indices)
+    assert len(hidden) == 1 and hidden[0].shape == (args[0].shape[0], H)
+    for x, y in zip(a1[8] + a1[9], a2[8] + a2[9]):
+        assert torch.equal(x, y)
+    assert not torch.equal(a2[8][0], args[8][0])  # the step wrote its K rows
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_region_argmax_takes_the_first_maximum_across_thread_shares(fused, threads):
+    """The region's argmax combines the threads' vocabulary shares as torch's max does: ties go to the lowest id
+    (here the tied rows sit in different threads' shares), and a NaN counts as the maximum (its first one)."""
+    args = _decode_step(torch.float32, 3, 4, 2)
+    tokens = _tokens_step(args)
+    H, V = args[0].shape[1], 40
+    e = torch.ones(H)
+    head = torch.zeros(V, H)
+    head[[3, 36]] = e  # equal logits, far apart: the largest where the normed rows sum above 0
+    head[[5, 38]] = -e  # ... and these where they sum below
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for nan_rows in ([], [33, 20]):
+            w = head.clone()
+            w[nan_rows] = float("nan")
+            fresh = [[t.clone() for t in a] if i in (8, 9) else a for i, a in enumerate(args)]
+            logits, idx = _tokens_run(_plan_of(fresh, torch.ones(H), w), fresh, tokens, True, True)
+            expect = logits.max(-1).indices
+            assert torch.equal(idx, expect)
+            assert set(idx.tolist()) <= ({20} if nan_rows else {3, 5})
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_decode_layers_errors_inside_the_region_end_it(fused):

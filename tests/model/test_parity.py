@@ -74,9 +74,10 @@ def test_llama_attention_bias_parity(layer_ops, hf_checkpoint):
     assert all(layer.self_attn.o_bias is not None for layer in model.layers)
     calls = []
     if layer_ops == "cpu_fused" and model.layers[0].fused_decode is not None:  # the C++ kernels built
-        whole = model.fused_decode_layers  # the whole-model decode call takes the o bias too
+        whole, tokens = model.fused_decode_layers, model.decode_tokens  # the whole-model decode takes the o bias too
         assert whole is not None
         model.fused_decode_layers = lambda *a, **k: calls.append(1) or whole(*a, **k)
+        model.decode_tokens = lambda *a, **k: calls.append(1) or tokens(*a, **k)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params)
     assert llm.engine.rt.pool.is_empty()

@@ -385,9 +385,32 @@ at::Tensor row_linear(const at::Tensor& x, const at::Tensor& w, const c10::optio
   return linear_kernel(x, w, bias, LLP_DPBF16 && x.scalar_type() == at::kBFloat16);
 }
 
-// The index of each row's first maximum in a float32 [R, V] tensor, a NaN counting as the maximum (the first
-// NaN's index): torch.max(x, -1).indices, for the greedy sampler, as two vectorised passes over the row (its
-// maximum and whether it holds a NaN, then the first place it occurs) instead of one pass tracking indices.
+// The first maximum of row[0, n), n > 0, a NaN counting as the maximum (then the first NaN, val NaN):
+// torch.max(row, -1).indices, as two vectorised passes (the maximum and whether a NaN occurs, then the first
+// place it does) instead of one pass tracking indices.
+struct RowMax {
+  int64_t idx;
+  float val;
+  bool nan;
+};
+inline RowMax first_max(const float* row, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    m = std::max(m, row[i]);
+    nan |= row[i] != row[i];
+  }
+  int64_t i = 0;
+  if (nan)
+    while (row[i] == row[i]) ++i;
+  else
+    while (row[i] != m) ++i;
+  return {i, nan ? std::numeric_limits<float>::quiet_NaN() : m, nan != 0};
+}
+
+// The index of each row's first maximum in a float32 [R, V] tensor (first_max of each row), for the greedy
+// sampler.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) > 0 && x.device().is_cpu(),
               "argmax_rows: a float32 CPU tensor [rows, n > 0] expected, got ", x.scalar_type(), " ", x.sizes());
@@ -396,22 +419,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   at::Tensor out = at::empty({R}, c.options().dtype(at::kLong));
   const float* p = c.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) {
-    const float* row = p + r * V;
-    float m = -std::numeric_limits<float>::infinity();
-    int nan = 0;
-#pragma omp simd reduction(max : m) reduction(| : nan)
-    for (int64_t i = 0; i < V; ++i) {
-      m = std::max(m, row[i]);
-      nan |= row[i] != row[i];
-    }
-    int64_t i = 0;
-    if (nan)
-      while (row[i] == row[i]) ++i;
-    else
-      while (row[i] != m) ++i;
-    o[r] = i;
-  }
+  for (int64_t r = 0; r < R; ++r) o[r] = first_max(p + r * V, V).idx;
   return out;
 }
 
@@ -874,6 +882,7 @@ struct TeamJob {
   TeamLinear head;
   void* head_out = nullptr;
   float* logits = nullptr;
+  RowMax* row_max = nullptr;  // with the logits: [threads, M], each thread's first maximum of its vocabulary rows
   bool moe_normalize = false;
   int64_t max_rows = 0;
   at::TensorOptions opts;
@@ -1031,6 +1040,18 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   if constexpr (!std::is_same_v<T, float>) {
     for (int64_t m = 0; m < M; ++m)
       for (int64_t v = v0; v < v1; ++v) J.logits[m * V + v] = to_f(y[m * V + v]);
+  }
+  // the greedy token's search over this thread's share while it is in this core's cache (combined after the
+  // region); the sampler would otherwise read every logit back from both cores
+  if (J.row_max != nullptr) {
+    for (int64_t m = 0; m < M; ++m) {
+      RowMax r{-1, 0.f, false};  // an empty share
+      if (v1 > v0) {
+        r = first_max(J.logits + m * V + v0, v1 - v0);
+        r.idx += v0;
+      }
+      J.row_max[t * M + m] = r;
+    }
   }
 }
 
@@ -1197,7 +1218,7 @@ struct DecodePlan : torch::CustomClassHolder {
     const at::ScalarType t = h_in.scalar_type();
     if (t != dtype || h_in.dim() != 2 || !h_in.is_contiguous() || h_in.size(0) == 0 || h_in.size(1) != job.H)
       return c10::nullopt;
-    const int64_t M = h_in.size(0), H = job.H, D = job.D, hq = job.hq, hk = job.hk;
+    const int64_t M = h_in.size(0), D = job.D;
     if (!few_rows(M, job.max_rows) || M > rows_limit) return c10::nullopt;
     const at::Tensor cs = cos.contiguous(), sn = sin.contiguous();
     if (cs.scalar_type() != t || sn.scalar_type() != t || cs.dim() != 2 || cs.size(0) != M || cs.size(1) != D ||
@@ -1210,53 +1231,165 @@ struct DecodePlan : torch::CustomClassHolder {
     const int64_t* rp = rows.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m)
       if (rp[m] != m) return c10::nullopt;
+    const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m)
+      TORCH_CHECK(sm[m] >= 0 && sm[m] < num_slots, "decode_layers: slot_mapping[", m, "] = ", sm[m],
+                  " out of range [0, ", num_slots, ")");
+    std::lock_guard<std::mutex> lock(mu);
+    TeamJob J = job;
+    if (!setup(J, M, h_in.options(), moe_ks, moe_top_k, moe_allowed)) return c10::nullopt;
+    J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
+    J.rows = rows, J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
+    return launch(J, logits, false)[0];
+#else
+    return c10::nullopt;
+#endif
+  }
+
+  // The same step from its tokens: row m embeds ids[m] (a row of `embed`), sits at position ctx_lens[m] - 1
+  // (its rows of the cos / sin tables) and writes its K/V to kv_slots[m, ctx_lens[m] - 1] -- what the decode
+  // stage would otherwise gather with a handful of framework calls, each slow right after the weights have
+  // streamed through the caches. Returns [] where the team does not take the step (then run / op by op), else
+  // [out] and with `argmax` (needs `logits` and the head) [logits, first maximum of each row] (argmax_rows'
+  // result, searched by each thread in its share of the vocabulary as it writes it).
+  std::vector<at::Tensor> run_tokens(const at::Tensor& ids, const at::Tensor& embed, const at::Tensor& cos_table,
+                                     const at::Tensor& sin_table, const at::Tensor& kv_slots,
+                                     const at::Tensor& ctx_lens, at::IntArrayRef moe_ks, at::TensorList moe_top_k,
+                                     at::TensorList moe_allowed, bool logits, bool argmax) {
+#if LLP_SIMD
+    if (!why.empty()) return {};
+    const at::ScalarType t = dtype;
+    const int64_t H = job.H, D = job.D;
+    if (ids.scalar_type() != at::kLong || ids.dim() != 1 || !ids.is_contiguous() || ids.numel() == 0) return {};
+    const int64_t M = ids.numel();
+    if (!few_rows(M, job.max_rows) || M > rows_limit) return {};
+    if (embed.scalar_type() != t || embed.dim() != 2 || embed.size(1) != H || !embed.is_contiguous()) return {};
+    for (const at::Tensor* tab : {&cos_table, &sin_table})
+      if (tab->scalar_type() != t || tab->dim() != 2 || tab->size(1) != D || !tab->is_contiguous()) return {};
+    if (sin_table.size(0) != cos_table.size(0)) return {};
+    if (ctx_lens.scalar_type() != at::kLong || ctx_lens.numel() != M || !ctx_lens.is_contiguous()) return {};
+    if (kv_slots.scalar_type() != at::kLong || kv_slots.dim() != 2 || kv_slots.size(0) != M ||
+        !kv_slots.is_contiguous())
+      return {};
+    const int64_t* ip = ids.data_ptr<int64_t>();
+    const int64_t* lp = ctx_lens.data_ptr<int64_t>();
+    const int64_t* kp = kv_slots.data_ptr<int64_t>();
+    const int64_t V = embed.size(0), P = cos_table.size(0), L = kv_slots.size(1);
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(ip[m] >= 0 && ip[m] < V, "decode_layers: token id ", ip[m], " of row ", m,
+                  " out of range [0, ", V, ")");
+      TORCH_CHECK(lp[m] >= 1 && lp[m] <= L, "decode_layers: ctx_lens[", m, "] = ", lp[m], " outside [1, ", L, "]");
+      if (lp[m] > P) return {};  // past the rotary tables: the caller's path says so
+      const int64_t slot = kp[m * L + lp[m] - 1];
+      TORCH_CHECK(slot >= 0 && slot < num_slots, "decode_layers: the new K/V slot of row ", m, " = ", slot,
+                  " out of range [0, ", num_slots, ")");
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    TeamJob J = job;
+    if (!setup(J, M, embed.options(), moe_ks, moe_top_k, moe_allowed)) return {};
+    const size_t elt = embed.element_size();
+    auto* h = static_cast<char*>(bufs.h_in), *cs = static_cast<char*>(bufs.cos), *sn = static_cast<char*>(bufs.sin);
+    const auto* e = static_cast<const char*>(embed.data_ptr());
+    const auto* ct = static_cast<const char*>(cos_table.data_ptr());
+    const auto* st = static_cast<const char*>(sin_table.data_ptr());
+    for (int64_t m = 0; m < M; ++m) {
+      std::memcpy(h + m * H * elt, e + ip[m] * H * elt, H * elt);
+      std::memcpy(cs + m * D * elt, ct + (lp[m] - 1) * D * elt, D * elt);
+      std::memcpy(sn + m * D * elt, st + (lp[m] - 1) * D * elt, D * elt);
+      bufs.slots[m] = kp[m * L + lp[m] - 1];
+    }
+    J.h_in = h, J.cos = cs, J.sin = sn, J.slot_mapping = bufs.slots;
+    if (arange.numel() < M) arange = at::arange(std::max<int64_t>(M, 64), ids.options());
+    J.rows = arange.narrow(0, 0, M), J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
+    return launch(J, logits, argmax);
+#else
+    return {};
+#endif
+  }
+
+ private:
+  // Scratch kept from step to step, grown as steps need more and never shrunk: a step would otherwise allocate
+  // a dozen buffers whose first touch, right after the weights have streamed through the caches, costs more
+  // than their use. `mu` keeps it to one step at a time.
+  std::mutex mu;
+  at::Tensor scratch, arange;
+  std::vector<RowMax> row_max;
+  struct Bufs {
+    void *qkv, *attn, *a, *d, *gu, *act, *priv, *ys, *h_in, *cos, *sin;
+    int64_t* slots;
+  } bufs{};
+
+#if LLP_SIMD
+  // the MoE limits of this step into J, and J's buffers for M rows; false where the step cannot run
+  bool setup(TeamJob& J, int64_t M, const at::TensorOptions& opts, at::IntArrayRef moe_ks, at::TensorList moe_top_k,
+             at::TensorList moe_allowed) {
     const size_t n = job.layers.size();
-    const bool moe = job.layers[0].router.defined();
     TORCH_CHECK(moe_ks.empty() || moe_ks.size() == n, "decode_layers: moe_ks needs one entry per MoE layer");
     TORCH_CHECK(moe_top_k.empty() || moe_top_k.size() == n, "decode_layers: moe_top_k is empty or per layer");
     TORCH_CHECK(moe_allowed.empty() || moe_allowed.size() == n, "decode_layers: moe_allowed is empty or per layer");
-    TeamJob J = job;
     J.M = M;
-    J.opts = h_in.options();
-    if (moe) {
+    J.opts = opts;
+    if (job.layers[0].router.defined()) {
       for (size_t i = 0; i < n; ++i) {
         TeamLayer& L = J.layers[i];
         L.moe_k = std::min<int64_t>(moe_ks.empty() ? native_k : moe_ks[i], L.experts);
-        if (L.moe_k < 1) return c10::nullopt;
+        if (L.moe_k < 1) return false;
         if (!moe_top_k.empty()) L.top_k = moe_top_k[i];
         if (!moe_allowed.empty()) L.allowed = moe_allowed[i];
         J.K = std::max(J.K, L.moe_k);
       }
     }
+    const int64_t H = J.H, D = J.D, hq = J.hq, hk = J.hk, QKV = (hq + 2 * hk) * D, I = J.I;
+    const int64_t packed = M * std::max<int64_t>(J.K, 1);  // rows of every expert's pack (M for a dense MLP)
+    const int nt = std::max(1, at::get_num_threads());
+    const int64_t elt = c10::elementSize(dtype);
+    size_t off = 0;
+    std::vector<size_t> offsets;
+    for (int64_t elems : {M * QKV, M * hq * D, M * H, M * H, packed * 2 * I, packed * I, nt * 4 * M * H, packed * H,
+                          M * H, M * D, M * D}) {
+      offsets.push_back(off);
+      off += (static_cast<size_t>(elems * elt) + 63) / 64 * 64;
+    }
+    offsets.push_back(off);
+    off += static_cast<size_t>(M) * sizeof(int64_t);
+    if (!scratch.defined() || static_cast<size_t>(scratch.numel()) < off + 64)
+      scratch = at::empty({static_cast<int64_t>(off + 64) * 5 / 4}, opts.dtype(at::kByte));  // room to grow
+    char* base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(scratch.data_ptr()) + 63) / 64 * 64);
+    void** slots[] = {&bufs.qkv, &bufs.attn, &bufs.a, &bufs.d, &bufs.gu, &bufs.act, &bufs.priv, &bufs.ys,
+                      &bufs.h_in, &bufs.cos, &bufs.sin};
+    for (size_t i = 0; i < 11; ++i) *slots[i] = base + offsets[i];
+    bufs.slots = reinterpret_cast<int64_t*>(base + offsets[11]);
+    const at::TensorOptions o = opts.dtype(dtype);
+    J.q = at::from_blob(bufs.qkv, {M, hq + 2 * hk, D}, o).narrow(1, 0, hq);
+    J.attn = at::from_blob(bufs.attn, {M, hq, D}, o);
+    J.qkv = bufs.qkv, J.a = bufs.a, J.gu = bufs.gu, J.act = bufs.act, J.d = bufs.d, J.ys = bufs.ys;
+    return true;
+  }
+
+  // the region over J (inputs, rows and buffers set): [out] or, with argmax, [logits, each row's first maximum]
+  std::vector<at::Tensor> launch(TeamJob& J, bool logits, bool argmax) {
+    const int64_t M = J.M, H = J.H, hk = J.hk;
+    const size_t n = J.layers.size();
     // what the op-by-op path checks as it goes, checked before any thread starts (a check that fails inside the
     // region would leave the others waiting)
-    const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-    for (int64_t m = 0; m < M; ++m)
-      TORCH_CHECK(sm[m] >= 0 && sm[m] < num_slots, "decode_layers: slot_mapping[", m, "] = ", sm[m],
-                  " out of range [0, ", num_slots, ")");
-    const int64_t QKV = (hq + 2 * hk) * D;
-    at::Tensor qkv = at::empty({M, QKV}, h_in.options());
-    at::Tensor attn = at::empty({M, hq, D}, h_in.options());
-    J.q = qkv.view({M, hq + 2 * hk, D}).narrow(1, 0, hq);
-    J.attn = attn;
-    J.rows = rows, J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
     for (const TeamLayer& L : J.layers)
-      llp::check_paged_attention(J.attn, J.q, L.k_cache, L.v_cache, rows, kv_slots, ctx_lens, 1);
-    at::Tensor a = at::empty({M, H}, h_in.options()), d = at::empty({M, H}, h_in.options());
-    const int64_t packed = M * std::max<int64_t>(J.K, 1);  // rows of every expert's pack (M for a dense MLP)
-    at::Tensor gu = at::empty({packed, 2 * J.I}, h_in.options()), act = at::empty({packed, J.I}, h_in.options());
+      llp::check_paged_attention(J.attn, J.q, L.k_cache, L.v_cache, J.rows, J.kv_slots, J.ctx_lens, 1);
     const bool to_logits = logits && J.head.w != nullptr;
+    const int nt = std::max(1, at::get_num_threads());
     at::Tensor out, head_out;
     if (to_logits) {
-      out = at::empty({M, J.head.O}, h_in.options().dtype(at::kFloat));
-      head_out = t == at::kFloat ? out : at::empty({M, J.head.O}, h_in.options());
+      out = at::empty({M, J.head.O}, J.opts.dtype(at::kFloat));
+      head_out = dtype == at::kFloat ? out : at::empty({M, J.head.O}, J.opts.dtype(dtype));
       J.head_out = head_out.data_ptr();
       J.logits = out.data_ptr<float>();
+      if (argmax) {
+        row_max.assign(static_cast<size_t>(nt) * M, RowMax{-1, 0.f, false});
+        J.row_max = row_max.data();
+      }
     } else {
-      out = at::empty({M, H}, h_in.options());
+      out = at::empty({M, H}, J.opts.dtype(dtype));
       J.head_out = nullptr;
     }
-    const int nt = std::max(1, at::get_num_threads());
     // the fewest runs of kv heads per row (the longest contiguous K/V reads) that make two items per thread, so
     // a thread that stalls leaves work to the others; one per thread for a row decoding alone (equal items)
     J.attn_runs = hk;
@@ -1267,18 +1400,14 @@ struct DecodePlan : torch::CustomClassHolder {
       }
     std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[n]());
     J.attn_next = attn_next.get();
-    at::Tensor priv = at::empty({nt, 4, M, H}, h_in.options());
-    at::Tensor ys = at::empty({packed, H}, h_in.options());
-    J.ys = ys.data_ptr();
-    J.h_in = h_in.data_ptr(), J.cos = cs.data_ptr(), J.sin = sn.data_ptr(), J.slot_mapping = sm;
-    J.qkv = qkv.data_ptr(), J.a = a.data_ptr(), J.gu = gu.data_ptr(), J.act = act.data_ptr(), J.d = d.data_ptr();
     J.out = out.data_ptr();
     SpinBarrier bar;
     std::exception_ptr err;
     std::mutex err_mu;
-    dispatch_float_types(t, "decode_layers", [&](auto tag) {
+    int team = nt;
+    dispatch_float_types(dtype, "decode_layers", [&](auto tag) {
       using T = decltype(tag);
-      T* pp = priv.data_ptr<T>();
+      T* pp = static_cast<T*>(bufs.priv);
 #pragma omp parallel num_threads(nt)
       {
 #pragma omp single
@@ -1294,14 +1423,32 @@ struct DecodePlan : torch::CustomClassHolder {
           bar.failed.store(true);
         }
       }
+      team = bar.team;
     });
     if (err) std::rethrow_exception(err);
     team_runs.fetch_add(1);
-    return out;
-#else
-    return c10::nullopt;
-#endif
+    if (!to_logits || !argmax) return {out};
+    // each row's first maximum over the threads' shares (ascending vocabulary ranges): the first share holding
+    // a NaN decides, else the largest value, the earlier share on ties
+    at::Tensor idx = at::empty({M}, J.opts.dtype(at::kLong));
+    int64_t* ip = idx.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const RowMax* best = nullptr;
+      for (int th = 0; th < team; ++th) {
+        const RowMax& r = row_max[th * M + m];
+        if (r.idx < 0) continue;
+        if (r.nan) {
+          best = &r;
+          break;
+        }
+        if (best == nullptr || r.val > best->val) best = &r;
+      }
+      TORCH_CHECK(best != nullptr, "decode_layers: no thread searched row ", m, " of the logits");
+      ip[m] = best->idx;
+    }
+    return {out, idx};
   }
+#endif
 };
 
 // every per-layer list has one entry per layer (the optional ones: none or one per layer)
@@ -1418,6 +1565,13 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
               Tensors moe_top_k, Tensors moe_allowed, bool logits) {
              return self->run(h, cos, sin, slot_mapping, rows, kv_slots, ctx_lens, moe_ks, moe_top_k, moe_allowed,
                               logits);
+           })
+      .def("run_tokens",
+           [](const c10::intrusive_ptr<DecodePlan>& self, at::Tensor ids, at::Tensor embed, at::Tensor cos_table,
+              at::Tensor sin_table, at::Tensor kv_slots, at::Tensor ctx_lens, Ints moe_ks, Tensors moe_top_k,
+              Tensors moe_allowed, bool logits, bool argmax) {
+             return self->run_tokens(ids, embed, cos_table, sin_table, kv_slots, ctx_lens, moe_ks, moe_top_k,
+                                     moe_allowed, logits, argmax);
            })
       .def("has_head", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->has_head(); })
       .def("reason", [](const c10::intrusive_ptr<DecodePlan>& self) { return self->reason(); })
