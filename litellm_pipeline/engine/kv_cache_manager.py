@@ -17,6 +17,7 @@ import time
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -115,13 +116,22 @@ class KVLayout:
       tokens write the last ``n`` of them).
     * ``decode_slots`` — ``[B, Lmax]``: the context of each single-token entry, padded (pad slots are
       arbitrary; ``decode_ctx_lens`` says how many are real). Its new token writes
-      ``decode_slots[b, decode_ctx_lens[b] - 1]`` (``decode_new_slots``).
+      ``decode_slots[b, decode_ctx_lens[b] - 1]`` (``decode_new_slots``; ``decode_new_slot_ids`` as ints).
     """
 
     chunk_slots: tuple[torch.Tensor, ...]
     decode_slots: torch.Tensor | None = None
     decode_ctx_lens: torch.Tensor | None = None
-    decode_new_slots: torch.Tensor | None = None
+    decode_new_slot_ids: tuple[int, ...] = ()
+
+    @cached_property
+    def decode_new_slots(self) -> torch.Tensor | None:
+        """``[B]`` long, made on first use: a decode-only step that runs from its tokens never asks (the fused
+        decode reads each new slot from ``decode_slots``), and a tensor op costs tens of microseconds when the
+        caches are cold."""
+        if self.decode_slots is None:
+            return None
+        return torch.tensor(self.decode_new_slot_ids, dtype=torch.long)
 
 
 class KVCacheManager:
@@ -175,7 +185,8 @@ class KVCacheManager:
             req = decodes[0][0]
             n = req.num_computed + 1
             row = self._slot_row(req.block_ids, -(-n // bs))
-            return KVLayout(tuple(chunks), row[:n].view(1, n), torch.tensor([n]), row[n - 1 : n])
+            new = req.block_ids[(n - 1) // bs] * bs + (n - 1) % bs
+            return KVLayout(tuple(chunks), row[:, :n], torch.tensor([n]), (new,))
         ctx_lens = [r.num_computed + 1 for r, _ in decodes]
         lmax = max(ctx_lens)
         nblk = -(-lmax // bs)
@@ -188,17 +199,17 @@ class KVCacheManager:
         if nblk * bs != lmax:
             slots = slots[:, :lmax].contiguous()
         new = [r.block_ids[(n - 1) // bs] * bs + (n - 1) % bs for (r, _), n in zip(decodes, ctx_lens)]
-        return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), torch.tensor(new, dtype=torch.long))
+        return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), tuple(new))
 
     def _slot_row(self, blocks: list[int], nblk: int) -> torch.Tensor:
-        """Every slot of ``blocks`` (at least ``nblk`` of them) as one row. The row of the last list asked is
+        """Every slot of ``blocks`` (at least ``nblk`` of them) as one row [1, N]. The row of the last list asked is
         kept: a request decoding alone asks for the same list every step, one block longer every block_size
         steps. A request's list only grows in place (it is replaced when its blocks go), so holding it and
         its length tells whether the row is current."""
         kept = self._row
         if kept is not None and kept[0] is blocks and kept[1] >= nblk:
             return kept[2]
-        row = (torch.tensor(blocks, dtype=torch.long).unsqueeze(-1) * self.block_size + self._offsets).view(-1)
+        row = (torch.tensor(blocks, dtype=torch.long).unsqueeze(-1) * self.block_size + self._offsets).view(1, -1)
         self._row = (blocks, len(blocks), row)
         return row
 

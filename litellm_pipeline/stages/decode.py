@@ -102,7 +102,6 @@ class Decode(Stage):
         else:
             ctx.logits = rt.model.compute_logits(hidden[torch.tensor(rows, device=dev)]) if rows else None
 
-
     def _decode_only(self, ctx: StepContext, decodes: list) -> bool:
         """A step of decodes alone straight from its tokens, where the model's fused decode takes it: no
         metadata tensors built (see ``CausalLM.decode_tokens``). False where it does not (then the general path)."""
