@@ -707,38 +707,22 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
 // TierSet limits (either may be undefined): allowed [T, E] bool zeroes the probabilities of experts outside a
 // token's TierSet before the choice; top_k [T] long keeps the first top_k[t] slots of token t and marks the
 // others unused (index -1, weight 0).
-std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, int64_t k, bool normalize,
-                                             int64_t max_rows, const c10::optional<at::Tensor>& top_k_in,
-                                             const c10::optional<at::Tensor>& allowed_in) {
-  const at::Tensor probs = at::softmax(linear_any(x, gate_w, max_rows), -1, at::kFloat).contiguous();
-  const int64_t tokens = probs.size(0), experts = probs.size(1);
-  k = std::min(k, experts);
-  TORCH_CHECK(k >= 1, "moe_route: k must be >= 1");
-  const bool limited = top_k_in.has_value() && top_k_in->defined() && top_k_in->numel() > 0;
-  const bool masked = allowed_in.has_value() && allowed_in->defined() && allowed_in->numel() > 0;
-  at::Tensor top_k, allowed;
-  if (limited) {
-    top_k = top_k_in->to(at::kLong).contiguous();
-    TORCH_CHECK(top_k.numel() == tokens, "moe_route: top_k needs one entry per token (", tokens, "), got ",
-                top_k.numel());
-  }
-  if (masked) {
-    allowed = allowed_in->to(at::kBool).contiguous();
-    TORCH_CHECK(allowed.dim() == 2 && allowed.size(0) == tokens && allowed.size(1) == experts,
-                "moe_route: allowed must be [tokens, experts] = [", tokens, ", ", experts, "]");
-  }
-  at::Tensor idx = at::empty({tokens, k}, x.options().dtype(at::kLong));
-  at::Tensor w = at::empty({tokens, k}, x.options().dtype(at::kFloat));
-  const float* pp = probs.data_ptr<float>();
-  const int64_t* kp = limited ? top_k.data_ptr<int64_t>() : nullptr;
-  const bool* ap = masked ? allowed.data_ptr<bool>() : nullptr;
-  int64_t* ip = idx.data_ptr<int64_t>();
-  float* wp = w.data_ptr<float>();
-  std::vector<char> taken(experts);
-  std::vector<float> p(experts);
+// moe_route's choice from float32 router logits [tokens, experts]: per token a float32 softmax, then its k most
+// probable experts within its allowed set (ap: [tokens, experts] or null; ties to the lower expert), the first
+// kp[t] of them used (kp null: all k; the rest index -1, weight 0), weights renormalised over the used ones with
+// `normalize`. p, taken: scratch of `experts` entries. Plain loops without framework calls, so the decode region
+// routes with it on every thread at once.
+inline void route_rows(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize,
+                       const int64_t* kp, const bool* ap, int64_t* ip, float* wp, float* p, char* taken) {
   for (int64_t t = 0; t < tokens; ++t) {
-    for (int64_t e = 0; e < experts; ++e) p[e] = (ap && !ap[t * experts + e]) ? 0.f : pp[t * experts + e];
-    std::fill(taken.begin(), taken.end(), 0);
+    const float* l = logits + t * experts;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t e = 0; e < experts; ++e) mx = std::max(mx, l[e]);
+    float total = 0.f;
+    for (int64_t e = 0; e < experts; ++e) total += (p[e] = std::exp(l[e] - mx));
+    const float inv = 1.f / total;
+    for (int64_t e = 0; e < experts; ++e) p[e] = (ap && !ap[t * experts + e]) ? 0.f : p[e] * inv;
+    std::fill(taken, taken + experts, 0);
     const int64_t keep = kp ? kp[t] : k;
     float sum = 0.f;
     for (int64_t j = 0; j < k; ++j) {
@@ -754,6 +738,39 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
     if (normalize)
       for (int64_t j = 0; j < k; ++j) wp[t * k + j] /= sum;
   }
+}
+
+// top_k (one entry per token, long) and allowed ([tokens, experts], bool) as route_rows reads them; undefined
+// where absent or empty (no limit)
+inline at::Tensor route_top_k(const c10::optional<at::Tensor>& top_k, int64_t tokens) {
+  if (!top_k.has_value() || !top_k->defined() || top_k->numel() == 0) return at::Tensor();
+  at::Tensor out = top_k->to(at::kLong).contiguous();
+  TORCH_CHECK(out.numel() == tokens, "moe_route: top_k needs one entry per token (", tokens, "), got ", out.numel());
+  return out;
+}
+inline at::Tensor route_allowed(const c10::optional<at::Tensor>& allowed, int64_t tokens, int64_t experts) {
+  if (!allowed.has_value() || !allowed->defined() || allowed->numel() == 0) return at::Tensor();
+  at::Tensor out = allowed->to(at::kBool).contiguous();
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == tokens && out.size(1) == experts,
+              "moe_route: allowed must be [tokens, experts] = [", tokens, ", ", experts, "]");
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, int64_t k, bool normalize,
+                                             int64_t max_rows, const c10::optional<at::Tensor>& top_k_in,
+                                             const c10::optional<at::Tensor>& allowed_in) {
+  const at::Tensor logits = linear_any(x, gate_w, max_rows).to(at::kFloat).contiguous();
+  const int64_t tokens = logits.size(0), experts = logits.size(1);
+  k = std::min(k, experts);
+  TORCH_CHECK(k >= 1, "moe_route: k must be >= 1");
+  const at::Tensor top_k = route_top_k(top_k_in, tokens), allowed = route_allowed(allowed_in, tokens, experts);
+  at::Tensor idx = at::empty({tokens, k}, x.options().dtype(at::kLong));
+  at::Tensor w = at::empty({tokens, k}, x.options().dtype(at::kFloat));
+  std::vector<float> p(experts);
+  std::vector<char> taken(experts);
+  route_rows(logits.data_ptr<float>(), tokens, experts, k, normalize,
+             top_k.defined() ? top_k.data_ptr<int64_t>() : nullptr, allowed.defined() ? allowed.data_ptr<bool>() : nullptr,
+             idx.data_ptr<int64_t>(), w.data_ptr<float>(), p.data(), taken.data());
   return {idx, w};
 }
 
@@ -860,13 +877,15 @@ struct TeamLayer {
   int64_t window;
   // MoE layers: the router and moe_route's arguments (an undefined router: a dense MLP)
   at::Tensor router;
+  TeamLinear gate;  // the router as a linear (its logits, then route_rows)
   int64_t moe_k = 0, experts = 0;
-  c10::optional<at::Tensor> top_k, allowed;
+  at::Tensor top_k, allowed;  // this step's TierSet limits as route_rows reads them (undefined: none)
 };
 
 struct TeamJob {
   std::vector<TeamLayer> layers;
   int64_t M = 0, H = 0, D = 0, hq = 0, hk = 0, I = 0, K = 0;  // K: the most experts a MoE layer routes a token to
+  int64_t E = 0;  // the most experts a MoE layer has
   int64_t attn_runs = 1;  // a row's kv heads split into this many attention items
   std::atomic<int64_t>* attn_next = nullptr;  // per layer: the next attention item to take
   float eps = 0, qk_eps = 0, final_eps = 0;
@@ -929,6 +948,17 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   const T* sn = static_cast<const T*>(J.sin);
   std::memcpy(h, J.h_in, sizeof(T) * M * H);
   const int64_t runs = J.attn_runs, nk = hk / runs, nq = nk * G;  // attention items: (row, run of nk kv heads)
+  struct {  // this thread's routing of a MoE layer, made once per step
+    std::vector<T> logits_t;
+    std::vector<float> logits, w, p;
+    std::vector<int64_t> idx;
+    std::vector<char> taken;
+    std::vector<std::vector<int64_t>> slots;
+  } route;
+  if (J.E > 0) {
+    route.logits_t.resize(M * J.E), route.logits.resize(M * J.E), route.p.resize(J.E), route.taken.resize(J.E);
+    route.idx.resize(M * J.K), route.w.resize(M * J.K), route.slots.resize(J.E);
+  }
   for (const TeamLayer& L : J.layers) {
     for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(L.in_norm), J.eps, x + m * H, H);
     auto [q0, q1] = share(L.qkv.O, t, n);
@@ -985,14 +1015,21 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       continue;
     }
     // MoE: every thread routes on its own (the same values everywhere: the router is a few dot products per
-    // token), then the experts run one after another as moe_experts groups them (experts ascending, their tokens
-    // in order), each split over the threads; the weighted sum rounds as moe_experts' does.
-    const at::Tensor xt = at::from_blob(x, {M, H}, J.opts);
-    auto [idx, wts] = moe_route(xt, L.router, L.moe_k, J.moe_normalize, J.max_rows, L.top_k, L.allowed);
-    const int64_t k = idx.size(1);
-    const int64_t* ip = idx.data_ptr<int64_t>();
-    const float* wp = wts.data_ptr<float>();
-    std::vector<std::vector<int64_t>> slots(L.experts);  // flat (token * k + slot) per expert, tokens ascending
+    // token), with moe_route's kernel and route_rows on its own buffers (no framework call: at::softmax and
+    // allocations here cost ~20 µs a layer on cold caches, every thread at once), then the experts run one after
+    // another as moe_experts groups them (experts ascending, their tokens in order), each split over the
+    // threads; the weighted sum rounds as moe_experts' does.
+    const int64_t k = L.moe_k;
+    team_linear<T>(x, L.gate, route.logits_t.data(), M, 0, L.experts);
+    for (int64_t i = 0; i < M * L.experts; ++i) route.logits[i] = to_f(route.logits_t[i]);
+    route_rows(route.logits.data(), M, L.experts, k, J.moe_normalize,
+               L.top_k.defined() ? L.top_k.data_ptr<int64_t>() : nullptr,
+               L.allowed.defined() ? L.allowed.data_ptr<bool>() : nullptr, route.idx.data(), route.w.data(),
+               route.p.data(), route.taken.data());
+    const int64_t* ip = route.idx.data();
+    const float* wp = route.w.data();
+    auto& slots = route.slots;  // flat (token * k + slot) per expert, tokens ascending
+    for (int64_t e = 0; e < L.experts; ++e) slots[e].clear();
     for (int64_t i = 0; i < M * k; ++i)
       if (ip[i] >= 0) slots[ip[i]].push_back(i);
     T* xe = priv + 3 * M * H;  // an expert's tokens, gathered
@@ -1132,7 +1169,7 @@ struct DecodePlan : torch::CustomClassHolder {
       return w.dim() == 1 && w.size(0) == n && w.scalar_type() == t && w.is_contiguous();
     };
     TeamJob& J = job;
-    J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0, J.K = 0;
+    J.H = H, J.D = D, J.hq = hq, J.hk = hk, J.I = 0, J.K = 0, J.E = 0;
     J.moe_normalize = moe_normalize, J.max_rows = max_rows;
     J.eps = static_cast<float>(eps), J.qk_eps = static_cast<float>(qk_eps), J.scale = scale;
     const int64_t QKV = (hq + 2 * hk) * D;
@@ -1161,8 +1198,10 @@ struct DecodePlan : torch::CustomClassHolder {
         if (mlp_b[i].size(0) != E || router[i].dim() != 2 || router[i].size(0) != E || router[i].size(1) != H ||
             router[i].scalar_type() != t || !router[i].is_contiguous())
           return no("router");
+        if (!team_linear_of(router[i], c10::nullopt, c10::nullopt, t, max_rows, H, L.gate, why, "router")) return false;
         L.router = router[i];
         L.experts = E;
+        J.E = std::max(J.E, E);
       }
       L.in_norm = in_norm[i].data_ptr();
       L.post_norm = post_norm[i].data_ptr();
@@ -1334,8 +1373,8 @@ struct DecodePlan : torch::CustomClassHolder {
         TeamLayer& L = J.layers[i];
         L.moe_k = std::min<int64_t>(moe_ks.empty() ? native_k : moe_ks[i], L.experts);
         if (L.moe_k < 1) return false;
-        if (!moe_top_k.empty()) L.top_k = moe_top_k[i];
-        if (!moe_allowed.empty()) L.allowed = moe_allowed[i];
+        if (!moe_top_k.empty()) L.top_k = route_top_k(moe_top_k[i], M);
+        if (!moe_allowed.empty()) L.allowed = route_allowed(moe_allowed[i], M, L.experts);
         J.K = std::max(J.K, L.moe_k);
       }
     }
