@@ -702,11 +702,6 @@ at::Tensor moe_experts(const at::Tensor& x_in, const at::Tensor& idx_in, const a
   return out;
 }
 
-// Router of a MoE block: logits = x @ gate^T, float32 softmax, the k largest per token (ties to the lower expert id,
-// as a stable descending sort gives), optionally renormalised to sum to 1 -- moe.route_tokens in one pass.
-// TierSet limits (either may be undefined): allowed [T, E] bool zeroes the probabilities of experts outside a
-// token's TierSet before the choice; top_k [T] long keeps the first top_k[t] slots of token t and marks the
-// others unused (index -1, weight 0).
 // moe_route's choice from float32 router logits [tokens, experts]: per token a float32 softmax, then its k most
 // probable experts within its allowed set (ap: [tokens, experts] or null; ties to the lower expert), the first
 // kp[t] of them used (kp null: all k; the rest index -1, weight 0), weights renormalised over the used ones with
@@ -756,6 +751,12 @@ inline at::Tensor route_allowed(const c10::optional<at::Tensor>& allowed, int64_
   return out;
 }
 
+// Router of a MoE block: logits = x @ gate^T, float32 softmax, the k largest per token (ties to the lower expert id,
+// as a stable descending sort gives), optionally renormalised to sum to 1 -- moe.route_tokens in one pass (the
+// softmax with std::exp: within 1e-6 of torch's).
+// TierSet limits (either may be undefined): allowed [T, E] bool zeroes the probabilities of experts outside a
+// token's TierSet before the choice; top_k [T] long keeps the first top_k[t] slots of token t and marks the
+// others unused (index -1, weight 0).
 std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, int64_t k, bool normalize,
                                              int64_t max_rows, const c10::optional<at::Tensor>& top_k_in,
                                              const c10::optional<at::Tensor>& allowed_in) {
