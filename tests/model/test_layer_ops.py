@@ -607,6 +607,28 @@ def test_region_argmax_takes_the_first_maximum_across_thread_shares(fused, threa
         torch.set_num_threads(before)
 
 
+def test_run_tokens_names_a_bad_token_or_length_before_the_region(fused):
+    """run_tokens checks every row before any thread starts: a token id outside the embedding, a context length
+    outside the slot table or a new slot outside the caches is an error naming the row and the value, and the
+    caches are untouched; the plan then runs the good step."""
+    args = _decode_step(torch.float32, 2, 4, 2)
+    tokens = _tokens_step(args)
+    plan = _plan_of(args)
+    before = [t.clone() for t in args[8]]
+    bad_ids = tokens[0].clone()
+    bad_ids[1] = 50
+    with pytest.raises(RuntimeError, match=r"token id 50 of row 1 out of range \[0, 50\)"):
+        plan.run_tokens(bad_ids, *tokens[1:], args[12], args[13], [], [], [], False, False)
+    with pytest.raises(RuntimeError, match=r"ctx_lens\[0\] = 0 outside \[1, "):
+        plan.run_tokens(*tokens, args[12], torch.tensor([0, 5]), [], [], [], False, False)
+    bad_slots = args[12].clone()
+    bad_slots[0, int(args[13][0]) - 1] = 10_000
+    with pytest.raises(RuntimeError, match=r"new K/V slot of row 0 = 10000 out of range"):
+        plan.run_tokens(*tokens, bad_slots, args[13], [], [], [], False, False)
+    assert all(torch.equal(a, b) for a, b in zip(args[8], before))
+    assert len(plan.run_tokens(*tokens, args[12], args[13], [], [], [], False, False)) == 1
+
+
 def test_decode_layers_errors_inside_the_region_end_it(fused):
     """A check that fails on one thread inside the region (a context longer than its slot row, a kv slot out of
     range) ends the region with that error on every thread count, and the next step runs normally."""
