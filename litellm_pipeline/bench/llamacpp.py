@@ -332,9 +332,12 @@ class Server:
             raise RuntimeError(f"llama-server /completion: HTTP {exc.code}: {exc.read()[:300]!r}") from exc
 
     def batch1_tpot(self, b1) -> float:
-        """One batch-1 run: seconds per token after the first, from the server's own decode timing."""
+        """One batch-1 run: seconds per token after the first, from the server's own decode timing.
+
+        ``predicted_ms`` runs from the first token (sampled from the prompt's logits) to the last, so it spans
+        ``predicted_n - 1`` decode steps, as the engine's ``batch1_tpot`` counts them."""
         t = self.complete(b1.prompt_ids, b1.output_len)["timings"]
-        return (t["predicted_ms"] / 1e3) / t["predicted_n"]
+        return (t["predicted_ms"] / 1e3) / max(t["predicted_n"] - 1, 1)
 
     def mixed(self, items) -> dict:
         """Every request of the mixed workload sent at once; output tokens over the wall time."""

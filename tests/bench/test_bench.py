@@ -450,7 +450,7 @@ class H(BaseHTTPRequestHandler):
                 state["now"] -= 1
                 record()
         n = req["n_predict"] - (1 if mode == "short" else 0)
-        self._send(200, {{"content": "", "tokens_predicted": n, "timings": {{"predicted_n": n, "predicted_ms": 2.0 * n}}}})
+        self._send(200, {{"content": "", "tokens_predicted": n, "timings": {{"predicted_n": n, "predicted_ms": 2.0 * (n - 1)}}}})
 ThreadingHTTPServer(("127.0.0.1", int(opt("--port"))), H).serve_forever()
 """
 
@@ -480,7 +480,8 @@ def test_tiny_bench_with_the_llamacpp_server_peer(tmp_path):
     items = make_workload(4, (8, 16), (4, 8), 0)
     assert sv["format"] == "F32" and sv["slots"] == 3 and sv["requests"] == 4
     assert sv["output_tokens"] == row["engine"]["output_tokens"] == sum(it.output_len for it in items)
-    assert sv["batch1_tok_s"] == pytest.approx(500.0)  # the stand-in's timing: 2 ms per token
+    # the stand-in's timing, like llama-server's: 2 ms per decode step, from the first token to the last
+    assert sv["batch1_tok_s"] == pytest.approx(500.0)
     # the mixed load right after the engine's, batch-1 in rounds with the engine's, a bandwidth probe next to each run
     assert row["engine"]["rounds_with"] == ["llama-server"] and row["batch1"]["rounds_with"] == ["llama-server"]
     assert row["engine"]["prefix_hit_tokens"] == 0  # the workload ran once: no prompt was in the cache
