@@ -212,8 +212,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
                  argmax: torch.Tensor | None = None) -> SamplerOutput:
         """Pick one token per row of ``logits`` (``[len(rows), vocab]``, any float dtype); ``argmax``: each
-        row's first maximum of the logits, where the step computed it (then greedy rows without penalties take
-        it instead of searching the logits again)."""
+        row's first maximum of the logits, where the step computed it (then, when no row has penalties, the greedy
+        rows take it instead of searching the logits again, whether or not other rows sample)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         raw = _float(logits)
@@ -221,13 +221,14 @@ class Sampler:
         x = apply_penalties(raw.clone(), rows) if penalties else raw
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         sample = [i for i, r in enumerate(rows) if not r.params.greedy]
+        found = argmax if not penalties else None  # the raw logits' argmax is x's where nothing changed them
         if len(greedy) == len(rows):
-            tokens = argmax if argmax is not None and not penalties else _argmax(x)
+            tokens = found if found is not None else _argmax(x)
         else:
             tokens = torch.empty(len(rows), dtype=torch.long, device=raw.device)
             if greedy:
                 g_idx = _host_tensor(greedy, torch.long, raw.device)
-                tokens[g_idx] = _argmax(x[g_idx])
+                tokens[g_idx] = found[g_idx] if found is not None else _argmax(x[g_idx])
         if sample:
             s_rows = [rows[i] for i in sample]
             if len(sample) == len(rows):

@@ -101,6 +101,29 @@ def test_greedy_picks_the_first_maximum_as_torch_max_does(kernel, monkeypatch):
     assert [got[i] for i in range(1, 8, 2)] == [x.nan_to_num(nan=50.0)[i].max(-1).indices.item() for i in range(1, 8, 2)]
 
 
+def test_greedy_rows_take_the_argmax_given_with_the_logits(monkeypatch):
+    """An ``argmax`` found with the logits is what greedy rows take, alone or among sampled rows, without a second
+    search; penalties change the logits, so then the greedy rows search them; sampled rows never use it."""
+    from litellm_pipeline.sampling import samplers
+
+    x = _logits(4)
+    given = torch.tensor([5, 6, 7, 8])  # not the logits' argmax: shows which one was taken
+    assert given.tolist() != x.argmax(-1).tolist()
+    searched = []
+    real = samplers._argmax
+    monkeypatch.setattr(samplers, "_argmax", lambda t: searched.append(t.shape[0]) or real(t))
+    greedy = [_row(SamplingParams(temperature=0)) for _ in range(4)]
+    assert Sampler()(x, greedy, argmax=given).token_ids == [5, 6, 7, 8] and searched == []
+    mixed = [_row(SamplingParams(temperature=0)) if i % 2 else _row(SamplingParams(temperature=1.0, seed=i))
+             for i in range(4)]
+    got = Sampler()(x, mixed, argmax=given).token_ids
+    assert (got[1], got[3]) == (6, 8) and searched == []
+    assert got[0] == Sampler()(x[:1], mixed[:1]).token_ids[0]  # the sampled row drew as it would without it
+    penalised = [_row(SamplingParams(temperature=0, presence_penalty=1.0), output=[0]), *mixed[1:]]
+    got = Sampler()(x, penalised, argmax=given).token_ids
+    assert searched == [3] and (got[1], got[3]) == tuple(x[[1, 3]].argmax(-1).tolist())  # rows 0, 1, 3 searched
+
+
 def test_top_k_one_and_tiny_top_p_equal_argmax():
     logits = _logits(6, seed=1)
     expect = logits.argmax(-1).tolist()
