@@ -57,9 +57,11 @@ def assert_same_spec(req, spec: RequestSpec) -> None:
     for name in FIELDS:
         assert getattr(req.spec, name) == getattr(spec, name), f"field {name!r} was not passed through"
     # and the engine-side request reads them
-    assert (req.tier, req.tenant, req.salt, req.priority, req.session_id, req.budget) == (
-        spec.tier, spec.tenant, spec.tenant, spec.priority, spec.session_id, spec.budget
+    assert (req.tier, req.tenant, req.priority, req.session_id, req.budget) == (
+        spec.tier, spec.tenant, spec.priority, spec.session_id, spec.budget
     )
+    ks = req.tierset.experts_per_layer  # the cache key: the tenant and, in a MoE model, the TierSet's routing
+    assert req.salt == (f"{spec.tenant}\x00{ks}\x00{req.tierset.allowed_experts}" if ks else spec.tenant)
     assert req.request_id == spec.request_id and req.tierset.name == spec.tier
 
 

@@ -2,7 +2,8 @@
 
 * **Replayable prefixes.** Every full block is named by a chained SHA-256 over (parent hash, salt, its
   token ids); a request whose known tokens start with cached blocks takes them instead of recomputing
-  them. The salt (the tenant) is part of every hash, so different tenants never share a block.
+  them. The salt (``Request.salt``: the tenant and, in a MoE model, the TierSet's routing limits) is part of
+  every hash, so different tenants never share a block, nor do requests whose experts computed it differently.
 * **Hot / warm tiers.** A cached block that nobody uses is evicted from the hot pool under pressure; with a
   warm pool its content is first copied there, and a later prefix hit copies it back.
 * **Swap.** A preempted request's blocks can be parked in the warm pool and restored on resume.
@@ -28,7 +29,7 @@ from litellm_pipeline.telemetry import BlocksDemoted, BlocksEvicted, BlocksPromo
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:
-    """Content hash of one full block: parent hash, tenant salt and the block's token ids."""
+    """Content hash of one full block: parent hash, salt (see ``Request.salt``) and the block's token ids."""
     h = hashlib.sha256(parent)
     h.update(salt.encode("utf-8"))
     h.update(b"\x00")

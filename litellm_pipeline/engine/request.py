@@ -40,7 +40,6 @@ class Request:
     tier: str | None = field(init=False)  # requested tier name (None: the select_tier stage decides)
     budget: BudgetSpec | None = field(init=False)
     tenant: str = field(init=False)
-    salt: str = field(init=False)  # isolates cached KV between tenants
     priority: int = field(init=False)  # lower value = served first (priority scheduler)
     session_id: str | None = field(init=False)  # keep this conversation's KV pinned after the request ends
     # decided by the request-level stages
@@ -78,8 +77,19 @@ class Request:
     def __post_init__(self) -> None:
         s = self.spec
         self.params, self.tier, self.budget = s.params, s.tier, s.budget
-        self.tenant = self.salt = s.tenant
+        self.tenant = s.tenant
         self.priority, self.session_id = s.priority, s.session_id
+
+    @property
+    def salt(self) -> str:
+        """What its cached KV blocks are keyed by besides their tokens: the tenant (tenants never share a block)
+        and, in a MoE model, the TierSet's routing limits (experts per layer, allowed experts), which change
+        every layer's hidden states and so the K/V of every layer after the first MoE block. A dense model's
+        TierSets route nothing, so its tiers share blocks."""
+        ts = self.tierset
+        if ts is None or not ts.experts_per_layer:
+            return self.tenant
+        return f"{self.tenant}\x00{ts.experts_per_layer}\x00{ts.allowed_experts}"
 
     @property
     def num_tokens(self) -> int:

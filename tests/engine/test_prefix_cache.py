@@ -55,6 +55,23 @@ def test_tenants_never_share_blocks(ckpt):
     assert run(llm, p, tenant="tenant-a").num_cached_tokens == 32
 
 
+def test_moe_tiers_never_share_blocks_dense_tiers_do(ckpt, hf_checkpoint):
+    """A MoE model's K/V depends on the experts that computed it: a request at another TierSet recomputes the
+    prefix and gets its own tier's tokens; the same tier finds it. A dense model's tiers route nothing: they share."""
+    llm = LLM(model=ckpt, block_size=16)
+    p = random_prompts((40,), seed=81)[0]
+    run(llm, p, tier="fast")  # fills the cache with K/V computed by one expert per token
+    balanced = run(llm, p, tier="balanced")
+    assert balanced.num_cached_tokens == 0
+    alone = run(LLM(model=ckpt, **{"cache.enable_prefix_caching": False}), p, tier="balanced")
+    assert balanced.token_ids == alone.token_ids
+    assert run(llm, p, tier="fast").num_cached_tokens == run(llm, p, tier="balanced").num_cached_tokens == 32
+    assert llm.engine.rt.pool.is_empty()
+    dense = LLM(model=str(hf_checkpoint("llama")), block_size=16)
+    run(dense, p, tier="fast")
+    assert run(dense, p, tier="balanced").num_cached_tokens == 32
+
+
 def test_prefix_caching_can_be_turned_off(ckpt):
     llm = LLM(model=ckpt, **{"cache.enable_prefix_caching": False})
     p = random_prompts((40,), seed=13)[0]
