@@ -33,8 +33,8 @@ class Emit(Stage):
             req.text += req.detokenizer.add(token)
             reason = req.stop_reason(token, rt.eos_token_ids, rt.max_model_len)
             if reason != "stop" and req.params.stop and self._stop_string(req, prev_len):
-                reason = "stop"
-            if reason is not None and (reason == "length" or not req.params.stop):
+                reason = "stop"  # the text ends at the stop string: what the detokenizer holds comes after it
+            elif reason is not None:
                 req.text += req.detokenizer.flush()  # a character cut off by the end is still shown
             for f in filters:
                 if self._filter(f, req):

@@ -68,6 +68,28 @@ def test_stop_token_ids(llama):
     assert_pool_empty(llama)
 
 
+def test_a_request_ending_on_a_stop_token_shows_its_held_back_bytes(llama):
+    """A token that ends mid-character (its bytes held back by the detokenizer) and stops the request: the text
+    still ends with what those bytes decode to, as ``decode(token_ids)`` does, whether or not the request also
+    has stop strings (which only cut the text where they match)."""
+    tok = llama.tokenizer
+    for seed in range(70, 90):
+        prompt = random_prompts([12], seed=seed)[0]
+        ids = alone(llama, prompt, greedy(N)).token_ids
+        # the first token after which the text so far ends in an incomplete character, not seen before it
+        cut = next((i for i in range(1, N) if tok.decode(ids[: i + 1]).endswith("\ufffd") and ids[i] not in ids[:i]),
+                   None)
+        if cut is not None:
+            break
+    assert cut is not None, "no greedy output of these prompts ends a token mid-character"
+    want = tok.decode(ids[: cut + 1])
+    for stop in ([], ["\u2603never\u2603"]):
+        out = alone(llama, prompt, greedy(N, stop_token_ids=[ids[cut]], stop=stop))
+        assert out.finish_reason == "stop" and out.token_ids == ids[: cut + 1]
+        assert out.text == want, stop
+    assert_pool_empty(llama)
+
+
 def test_max_tokens_and_context_limit(make_llm):
     llm = make_llm("llama", max_model_len=64)
     prompt = random_prompts([40], seed=66)[0]
