@@ -130,8 +130,17 @@ class SparseMoE(nn.Module):
                 nxt.offload.prefetch(predict_experts(x, nxt.gate, idx.shape[1], ops.linear))
             out = offloaded_experts(self.offload, x, idx, w, ops)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(ops.linear(x, self.shared_expert_gate)) * self.shared_expert(x)
+            g = ops.linear(x, self.shared_expert_gate)  # [T, 1]
+            gate = _rowwise_sigmoid(g) if getattr(ops, "deterministic", False) else torch.sigmoid(g)
+            out = out + gate * self.shared_expert(x)
         return out
+
+
+def _rowwise_sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """sigmoid of a [T, 1] column, each row computed alike whatever T is: ``softmax([z, 0])[0]``, which the CPU
+    softmax runs row by row. ``torch.sigmoid`` runs a flat [T] tensor through vector lanes and a scalar tail that
+    round differently, so a row's last bits would depend on where it sits in the batch (within 1e-7 of it)."""
+    return torch.softmax(torch.nn.functional.pad(z, (0, 1)), -1)[:, :1]
 
 
 class DecoderLayer(nn.Module):
