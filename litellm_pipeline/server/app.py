@@ -174,6 +174,7 @@ def build_app(
             if not work.done():
                 work.cancel()
                 fan.cancel()
+                await asyncio.wait({work})  # cancel() only asks: the task is cancelled once it has run again
         if work.cancelled():
             return False
         work.result()  # a failed choice raises its error (and FanIn aborted the others)
