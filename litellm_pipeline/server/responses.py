@@ -23,9 +23,15 @@ class TokenText:
     def __init__(self, tok: Tokenizer):
         self._text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
             lambda i: tok.decode([i], skip_special_tokens=False))
+        self._shown: Callable[[int], int] = lru_cache(maxsize=1 << 16)(
+            lambda i: len(tok.decode([i], skip_special_tokens=True)))
 
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
+
+    def shown_len(self, token_id: int) -> int:
+        """How many characters the token adds to the output text, which skips special tokens (0 for them)."""
+        return self._shown(token_id)
 
 
 @dataclass
@@ -61,10 +67,10 @@ class ChoiceState:
             self.content += entries
             return out.delta_text, {"content": entries}
         delta = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token, lp, top in entries:
+        for token_id, (token, lp, top) in zip(out.delta_token_ids, entries):
             for key, value in zip(delta, (token, lp, top, self.offset)):
                 delta[key].append(value)
-            self.offset += len(token)
+            self.offset += token_text.shown_len(token_id)
         for key in delta:
             getattr(self, key).extend(delta[key])
         return out.delta_text, delta
@@ -74,7 +80,11 @@ class ChoiceState:
         # the engine's dict holds the sampled token and the top k; the top k are the k highest
         top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_k]
         if not self.chat:
-            return token, lp, {token_text(t): float(v) for t, v in top}
+            # keyed by text, as OpenAI's format is: of tokens that read alike, the likeliest keeps the key
+            alts: dict[str, float] = {}
+            for t, v in top:
+                alts.setdefault(token_text(t), float(v))
+            return token, lp, alts
         return {"token": token, "logprob": lp, "bytes": list(token.encode()),
                 "top_logprobs": [{"token": token_text(t), "logprob": float(v), "bytes": list(token_text(t).encode())}
                                  for t, v in top]}

@@ -106,6 +106,36 @@ def test_completion_logprobs(demo_server, reference):
     for top, sampled in zip(lp.top_logprobs, lp.token_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(sampled)  # greedy: the best is the one taken
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # past its end of sequence: "</s>" is among the tokens but not in the text, so it adds no characters
+    resp = client.completions.create(model="demo", prompt="12+345=", max_tokens=8, temperature=0, logprobs=0,
+                                     extra_body={"ignore_eos": True})
+    text, lp = resp.choices[0].text, resp.choices[0].logprobs
+    assert "</s>" in lp.tokens[:-1] and "</s>" not in text
+    at = 0
+    for token, offset in zip(lp.tokens, lp.text_offset):
+        assert offset == at, (lp.tokens, lp.text_offset, text)
+        if token != "</s>":
+            assert text[offset:offset + len(token)] == token
+            at += len(token)
+    assert at == len(text)
+
+
+def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
+    """Completions' top_logprobs are keyed by token text: where two ids read the same (lone UTF-8 bytes all read
+    U+FFFD), the key holds the higher logprob."""
+    from litellm_pipeline.server.responses import ChoiceState
+
+    texts = {5: "a", 6: "\ufffd", 7: "\ufffd", 8: "b"}
+
+    class Texts:
+        def __call__(self, i):
+            return texts[i]
+
+        def shown_len(self, i):
+            return len(texts[i])
+
+    token, lp, top = ChoiceState(0, 0, chat=False, top_k=4)._entry(5, {5: -0.1, 6: -1.0, 7: -2.0, 8: -3.0}, Texts())
+    assert (token, lp) == ("a", -0.1) and top == {"a": -0.1, "\ufffd": -1.0, "b": -3.0}
 
 
 def test_models_list(demo_server):
