@@ -166,8 +166,20 @@ class Tokenizer:
                                                     encoding="utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`; `add_special_tokens` applies the post-processor (e.g. a leading BOS)."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids for `text`; `add_special_tokens` applies the post-processor (e.g. a leading BOS). Text that
+        is not valid Unicode (a lone UTF-16 surrogate, which JSON's ``\\ud800`` escapes can carry) raises
+        TokenizerError naming where."""
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise TokenizerError(
+                        f"text is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
+                        f"{exc.start} (UTF-16 surrogates come only in pairs)") from None
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text for `ids`; ids outside the vocabulary are skipped (padded model vocabularies can sample them)."""

@@ -135,11 +135,12 @@ class Gate:
 
 
 def _as_json(scope: Scope) -> Scope:
-    """Every API body is JSON: one sent without a type, or with curl's default form type, is read as JSON
-    (a client that forgot the header gets its request served, or a 400 saying why the JSON is invalid)."""
+    """Every API body is JSON: one sent without a type or with another (curl's default form type, a browser
+    fetch's text/plain) is read as JSON (a client that forgot the header gets its request served, or a 400
+    saying why the JSON is invalid)."""
     headers = [(k, v) for k, v in scope.get("headers") or () if k != b"content-type"]
-    kind = dict(scope.get("headers") or ()).get(b"content-type", b"")
-    if kind and not kind.startswith(b"application/x-www-form-urlencoded"):
+    kind = dict(scope.get("headers") or ()).get(b"content-type", b"").split(b";")[0].strip().lower()
+    if kind == b"application/json" or kind.endswith(b"+json"):
         return scope
     return {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
 

@@ -79,6 +79,12 @@ class _Common(_Strict):
     parallel_tool_calls: Any = None
     response_format: Any = None
 
+    @field_validator("n", "stream", "priority", mode="before")
+    @classmethod
+    def _null_is_default(cls, v: Any, info) -> Any:
+        """OpenAI's API takes null for its optional fields: null means the default."""
+        return cls.model_fields[info.field_name].default if v is None else v
+
     @field_validator(*_NEUTRAL, mode="before")
     @classmethod
     def _not_implemented(cls, v: Any, info) -> Any:
@@ -149,6 +155,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None  # needs logprobs: true
     add_generation_prompt: bool = True
+
+    @field_validator("logprobs", "add_generation_prompt", mode="before")
+    @classmethod
+    def _chat_null_is_default(cls, v: Any, info) -> Any:
+        return cls.model_fields[info.field_name].default if v is None else v
 
     @model_validator(mode="after")
     def _consistent(self):

@@ -59,7 +59,10 @@ def completion_specs(body: CompletionRequest, tok: Tokenizer, limits: Limits, te
     for p in prompts:
         if p == "":
             raise InvalidRequestError("prompt", "is empty: it must hold at least one token")
-        ids.append(tok.encode(p) if isinstance(p, str) else list(p))
+        try:
+            ids.append(tok.encode(p) if isinstance(p, str) else list(p))
+        except TokenizerError as exc:
+            raise InvalidRequestError("prompt" if len(prompts) == 1 else f"prompt[{len(ids)}]", str(exc)) from None
     return _choices(body, ids, body.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs,
                     limits, tenant)
 
@@ -74,7 +77,10 @@ def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tena
                 "messages", "this model has no chat template (its tokenizer_config.json / chat_template.jinja "
                 "define none): use /v1/completions with a plain prompt") from None
         raise InvalidRequestError("messages", str(exc)) from None
-    ids = tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
+    try:
+        ids = tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
+    except TokenizerError as exc:
+        raise InvalidRequestError("messages", f"rendered prompt: {exc}") from None
     if not ids:
         raise InvalidRequestError("messages", "the chat template rendered them to an empty prompt")
     key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

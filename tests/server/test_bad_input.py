@@ -40,6 +40,12 @@ CASES = {
     "ids-outside-vocab": (C, {"prompt": [5, 999, 7]}, 400, "prompt", ["outside the vocabulary", "47", "999"]),
     "negative-id": (C, {"prompt": [5, -1]}, 400, "prompt", ["outside the vocabulary", "-1"]),
     "empty-text": (C, {"prompt": ""}, 400, "prompt", ["empty"]),
+    "empty-body": (C, b"", 400, None, ["the request body is empty", "JSON object"]),
+    # JSON's \\ud800 escapes can carry half a UTF-16 pair, which is no Unicode text
+    "lone-surrogate": (C, b'{"prompt": "\\ud800abc"}', 400, "prompt",
+                       ["not valid Unicode", "lone surrogate U+D800 at character 0"]),
+    "lone-surrogate-in-a-list": (C, b'{"prompt": ["1+2=", "ab\\udfff"]}', 400, "prompt[1]",
+                                 ["not valid Unicode", "U+DFFF at character 2"]),
     "empty-ids": (C, {"prompt": []}, 400, "prompt", ["empty"]),
     "unknown-model": (C, {"model": "gpt-9", "prompt": "1+2="}, 404, "model", ["'gpt-9'", "does not exist", "'demo'"]),
     "unknown-tier": (C, {"prompt": "1+2=", "tier": "turbo"}, 400, "tier",
@@ -150,6 +156,33 @@ def test_chat_errors_use_the_chat_field_names(chat_server, body, param, fragment
         assert fragment in err["message"], f"{fragment!r} missing from {err['message']!r}"
 
 
+def test_chat_message_that_is_not_unicode_text_is_refused(chat_server):
+    with chat_server.client() as client:
+        resp = client.post(CHAT, content=b'{"messages": [{"role": "user", "content": "a\\ud800"}]}')
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == "messages" and "rendered prompt: text is not valid Unicode" in err["message"]
+    assert "lone surrogate U+D800" in err["message"]
+
+
+def test_null_means_the_default_as_in_openais_api(demo_server, chat_server, reference):
+    """n, stream, priority (and chat's logprobs) sent as JSON null are served as if left out."""
+    (ref,) = reference.generate("12+345=", SamplingParams(max_tokens=6, temperature=0))
+    with demo_server.client() as client:
+        resp = client.post(C, json={"prompt": "12+345=", "max_tokens": 6, "temperature": 0, "n": None,
+                                    "stream": None, "priority": None})
+    assert resp.status_code == 200, resp.text
+    assert [c["text"] for c in resp.json()["choices"]] == [ref.text]
+    with chat_server.client() as client:
+        body = {"messages": [{"role": "user", "content": "abc"}], "max_tokens": 3, "temperature": 0}
+        plain = client.post(CHAT, json=body)
+        nulls = client.post(CHAT, json={**body, "n": None, "stream": None, "logprobs": None})
+    assert plain.status_code == nulls.status_code == 200, nulls.text
+    got = nulls.json()["choices"]
+    assert len(got) == 1 and got[0]["logprobs"] is None
+    assert got[0]["message"] == plain.json()["choices"][0]["message"]
+
+
 def test_engine_fault_in_a_stream_ends_it_with_an_error_event(demo_server):
     body = {"prompt": f"{MARKER} 1+2=", "max_tokens": 4, "stream": True}
     with demo_server.client() as client:
@@ -168,6 +201,15 @@ def test_form_encoded_body_is_read_as_json(demo_server, reference):
     with demo_server.client() as client:
         resp = client.post(C, content=b'{"prompt": "12+345=", "max_tokens": 6, "temperature": 0}',
                            headers={"content-type": "application/x-www-form-urlencoded"})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ref.text
+
+
+def test_a_text_plain_body_is_read_as_json(demo_server, reference):
+    """A browser's fetch sends a string body as text/plain: it is still taken as the JSON it is."""
+    (ref,) = reference.generate("12+345=", SamplingParams(max_tokens=6, temperature=0))
+    with demo_server.client() as client:
+        resp = client.post(C, content=b'{"prompt": "12+345=", "max_tokens": 6, "temperature": 0}',
+                           headers={"content-type": "text/plain;charset=UTF-8"})
     assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == ref.text
 
 
