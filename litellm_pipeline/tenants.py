@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from litellm_pipeline.errors import InvalidRequestError, OverloadedError, RateLimitedError
 
@@ -163,6 +163,27 @@ class TenantLedger:
             return None
         bucket.refill(self.clock())
         return bucket.level
+
+    def check_group(self, tenant: str, tokens: Sequence[int], what: str = "n") -> None:
+        """Raise InvalidRequestError (a 400: no wait would help) if requests of ``tokens`` tokens each (the
+        choices of one API request, admitted one by one, each prompt + max_tokens) could never all be admitted
+        together under ``tenant``'s quotas; ``what`` names the field that sets their number."""
+        t = self._tenants.get(tenant)
+        if t is None or len(tokens) < 2:
+            return
+        p, k, total = t.policy, len(tokens), sum(tokens)
+        why = None
+        if p.max_concurrent is not None and k > p.max_concurrent:
+            why = f"its max_concurrent quota of {p.max_concurrent} requests in flight"
+        elif p.requests_per_minute is not None and k > p.requests_per_minute:
+            why = f"its requests_per_minute quota of {p.requests_per_minute:g}"
+        elif p.tokens_per_minute is not None and total > p.tokens_per_minute:
+            why = (f"its tokens_per_minute quota of {p.tokens_per_minute:g} (together they need {total} tokens, "
+                   "prompt + max_tokens each)")
+        if why is not None:
+            raise InvalidRequestError(
+                what, f"this request runs {k} choices at once (one engine request per prompt and choice), more "
+                f"than tenant {tenant!r} can ever admit together under {why}: ask for fewer")
 
     def reserve(self, req: Request, tokens: int, waiting: Iterable[Request]) -> QuotaHold | None:
         """Check every quota of ``req.tenant`` for a request of ``tokens`` tokens (prompt + max_tokens), then

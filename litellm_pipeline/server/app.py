@@ -143,6 +143,10 @@ def build_app(
     async def serve(request: Request, body, choices: list[Choice], chat: bool, top_k: int | None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         states = [ChoiceState(c.index, c.prompt_index, chat, top_k) for c in choices]
+        rt = aeng.engine.rt
+        if rt.tenants is not None:  # choices are admitted one by one: refuse a set no quota can ever take whole
+            rt.tenants.check_group(choices[0].spec.tenant, [
+                min(len(c.spec.prompt) + c.spec.params.max_tokens, rt.max_model_len) for c in choices])
         try:
             fan = await FanIn.open(aeng, choices)  # a refusal raises here: a plain 4xx, nothing left running
         except InvalidRequestError as exc:

@@ -221,3 +221,20 @@ def test_rejections_are_counted_by_quota(llm, quotas):
     assert got[("litellm_pipeline:request_rejected", "requests_per_minute", "acme")] == 2
     assert got[("litellm_pipeline:request_rejected", "InvalidRequestError", "acme")] == 1
     assert_pool_empty(llm)
+
+
+def test_a_group_no_quota_can_ever_take_whole_is_refused_naming_it(quotas):
+    """``check_group``: the choices of one API request, each fine alone, that could never all be in at once."""
+    ledger = quotas(max_concurrent=2, requests_per_minute=5, tokens_per_minute=100)
+    ledger.check_group("acme", [30, 30])  # fits every quota
+    ledger.check_group("acme", [500])  # one request: reserve() judges it alone
+    ledger.check_group("nobody", [500] * 9)  # a tenant without quotas
+    for tokens, words in (([10] * 3, ["3 choices", "max_concurrent quota of 2"]),
+                          ([60, 50], ["2 choices", "tokens_per_minute quota of 100", "together they need 110"])):
+        with pytest.raises(InvalidRequestError) as exc:
+            ledger.check_group("acme", tokens, what="n")
+        assert exc.value.field == "n" and all(w in str(exc.value) for w in words), str(exc.value)
+    wide = quotas(max_concurrent=10, requests_per_minute=3)
+    with pytest.raises(InvalidRequestError, match="4 choices.*requests_per_minute quota of 3"):
+        wide.check_group("acme", [1] * 4)
+    assert wide.in_flight("acme") == 0 and wide.level("acme", "requests_per_minute") == 3  # nothing taken

@@ -142,6 +142,19 @@ def test_a_request_over_the_token_quota_is_a_400(server):
         err = resp.json()["error"]
         assert err["param"] == "max_tokens" and "tokens_per_minute quota of 20" in err["message"]
         assert client.post("/v1/completions", json=SHORT, headers=auth("small")).status_code == 200
+        # each choice fits alone, but the choices of one request are admitted together: no wait would let 2 in
+        before = server.engine.rt.tenants.level("small", "tokens_per_minute")
+        resp = client.post("/v1/completions", json={**SHORT, "n": 2}, headers=auth("small"))
+        assert resp.status_code == 400 and "Retry-After" not in resp.headers
+        err = resp.json()["error"]
+        assert err["param"] == "n" and "runs 2 choices at once" in err["message"]
+        assert "tokens_per_minute quota of 20 (together they need 24 tokens" in err["message"]
+        assert server.engine.rt.tenants.level("small", "tokens_per_minute") >= before  # nothing was taken
+        resp = client.post("/v1/completions", json={**SHORT, "prompt": ["1+2=", "3+4="], "n": 2},
+                           headers=auth("limited"))
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+        assert "4 choices" in resp.json()["error"]["message"]
+        assert "requests_per_minute quota of 2" in resp.json()["error"]["message"]
     wait_pool_empty(server.engine)
 
 
