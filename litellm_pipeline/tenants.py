@@ -18,8 +18,9 @@ Quotas (each ``None``: no limit):
   is charged when it ends, and new requests are admitted while the bucket is not used up: the requests already
   in flight can overshoot the cap by at most their own cost.
 
-A request that ends before any of its tokens were computed (aborted while queued: its client left, or a
-sibling choice was refused) is refunded in full. Tenants not named in the config have no quota (weight 1).
+A request that ends before any of its tokens were computed (aborted while queued: its client left) is refunded
+in full, and so is a choice aborted because a sibling choice of its API request was refused, even if it had
+started (``Engine.abort(..., refund=True)`` cancels its holds). Tenants not named in the config have no quota (weight 1).
 All methods run under the engine lock (request stages, finishing and aborting hold it), so there is no lock
 here.
 """

@@ -315,8 +315,10 @@ class Engine:
         return warm.pool.num_blocks - warm.pool.num_free if warm is not None else 0
 
     # ---- control ------------------------------------------------------------------------------------
-    def abort(self, request_id: str) -> RequestOutput | None:
-        """Cancel a request and free all its KV blocks at once; None if it is not in flight."""
+    def abort(self, request_id: str, refund: bool = False) -> RequestOutput | None:
+        """Cancel a request and free all its KV blocks at once; None if it is not in flight. ``refund``: what its
+        request stages took (quotas) all comes back, as for a request that never ran, whatever it computed (a
+        choice of an API request that a sibling's refusal fails: the client is charged nothing)."""
         with self._locked():
             req = self.requests.pop(request_id, None)
             if req is None:
@@ -324,6 +326,9 @@ class Engine:
             req.finish_reason = "abort"
             self.rt.scheduler.finish(req)
             req.status = RequestStatus.FINISHED
+            if refund:
+                for hold in req.holds:
+                    hold.cancel()
             self._settle(req)
             if self.bus.enabled:
                 sched, pool = self.rt.scheduler, self.rt.pool

@@ -41,6 +41,10 @@ class FanIn:
         # its first iteration, so each task has now either been admitted (and waits for deltas) or failed.
         await asyncio.sleep(0)
         if fan._failure is not None:
+            # the engine loop may have run the admitted choices meanwhile: the API request is refused, so
+            # what their quotas took comes back in full (now, before the cancelled tasks abort them plainly)
+            for c in choices:
+                aeng.engine.abort(c.spec.request_id, refund=True)
             fan.cancel()
             raise fan._failure
         return fan

@@ -19,7 +19,7 @@ from test_metrics_and_health import scrape, value
 from litellm_pipeline.server.auth import digest
 
 KEYS = {"acme": "sk-acme-test", "beta": "sk-beta-test", "limited": "sk-limited-test", "queued": "sk-queued-test",
-        "small": "sk-small-test"}
+        "small": "sk-small-test", "pair": "sk-pair-test"}
 BETA_ENV = "LITELLM_PIPELINE_TEST_KEY_BETA"
 SHORT = {"prompt": "12+345=", "max_tokens": 4, "temperature": 0}
 
@@ -34,6 +34,7 @@ def server():
                  key_override("limited"), "+tenants.limited.requests_per_minute=2",
                  key_override("queued"), "+tenants.queued.max_queued=1",
                  key_override("small"), "+tenants.small.tokens_per_minute=20",
+                 key_override("pair"), "+tenants.pair.requests_per_minute=3",
                  "engine.max_num_seqs=2", *PLUGIN_STAGES]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(BETA_ENV, KEYS["beta"])  # read (and hashed) once, when the app is built
@@ -230,3 +231,34 @@ def test_env_keys_are_read_at_start(monkeypatch):
     with pytest.raises(ConfigError, match="no tenant has an API key"):
         ApiKeys.from_config({"a": TenantSection(weight=2)})
     assert os.environ.get(BETA_ENV) is None
+
+
+def test_choices_of_a_refused_request_cost_nothing_even_if_they_ran(server, monkeypatch):
+    """Choice 0 of an n=2 request takes pair's last request and runs a step before choice 1 is submitted (the
+    engine loop can take the lock between the two); choice 1 is refused (429). The API request failed, so
+    choice 0 is aborted and all its quota comes back."""
+    engine, ledger = server.engine, server.engine.rt.tenants
+    real, ran = engine.add_request, []
+
+    def add_then_step(spec, *args, **kw):
+        req = real(spec, *args, **kw)
+        if req.tenant == "pair" and req.request_id.endswith("-0-0"):
+            engine.step()  # what the engine loop does when it wins the lock between two choices
+            ran.append(len(req.output_ids))
+        return req
+
+    with server.client() as client:
+        for _ in range(2):
+            assert client.post("/v1/completions", json=SHORT, headers=auth("pair")).status_code == 200
+        before = ledger.level("pair", "requests_per_minute")
+        assert 1 <= before < 2, before  # room for one request, not two
+        monkeypatch.setattr(engine, "add_request", add_then_step)
+        resp = client.post("/v1/completions", json={**SHORT, "n": 2}, headers=auth("pair"))
+        monkeypatch.undo()
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "requests_per_minute"
+        assert ran == [1]  # choice 0 was prefilled and sampled its first token
+        # all of it back (plus what refilled meanwhile), not one request short
+        assert ledger.level("pair", "requests_per_minute") >= before
+        assert ledger.in_flight("pair") == 0
+        assert client.post("/v1/completions", json=SHORT, headers=auth("pair")).status_code == 200
+    wait_pool_empty(engine)
