@@ -1,6 +1,7 @@
 """Tokenizer tests: byte tokenizer, sentencepiece-style streaming, HF layout checked against transformers."""
 
 import json
+import re
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
@@ -46,6 +47,17 @@ def test_byte_tokenizer_layout_is_fixed():
     assert build_byte_tokenizer().encode(TEXTS[4]) == tok.encode(TEXTS[4])
     assert [tok.is_special(i) for i in (0, 1, 2, 3, 258)] == [True, True, True, False, False]
     assert tok.decode([3 + ord("A"), 10**6]) == "A"  # ids past the vocab (padded model heads) are skipped
+
+
+def test_text_that_is_not_unicode_is_named_not_passed_on():
+    """A lone UTF-16 surrogate (JSON's "\\ud800" escape can carry one) is no text: TokenizerError names it."""
+    tok = build_byte_tokenizer()
+    for text, where in (("\ud800abc", "U+D800 at character 0"), ("ab\udfff", "U+DFFF at character 2")):
+        with pytest.raises(TokenizerError, match=re.escape(f"text is not valid Unicode: a lone surrogate {where}")):
+            tok.encode(text)
+    assert tok.encode("\U0001f600") == tok.encode("😀")  # a paired surrogate escape is one character
+    with pytest.raises(TypeError):
+        tok.encode(5)  # not text at all: the tokenizers library's own error
 
 
 def test_added_non_special_token_is_kept_by_decode():
