@@ -21,8 +21,8 @@ Quotas (each ``None``: no limit):
 A request that ends before any of its tokens were computed (aborted while queued: its client left) is refunded
 in full, and so is a choice aborted because a sibling choice of its API request was refused, even if it had
 started (``Engine.abort(..., refund=True)`` cancels its holds). Tenants not named in the config have no quota (weight 1).
-All methods run under the engine lock (request stages, finishing and aborting hold it), so there is no lock
-here.
+All methods but ``check_group`` (which reads only the policies) run under the engine lock (request stages,
+finishing and aborting hold it), so there is no lock here.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from litellm_pipeline.errors import InvalidRequestError, OverloadedError, RateLi
 if TYPE_CHECKING:
     from litellm_pipeline.engine.request import Request
 
-__all__ = ["QUOTAS", "QuotaHold", "TenantLedger", "TenantPolicy", "TokenBucket"]
+__all__ = ["QUOTAS", "QuotaHold", "TenantLedger", "TenantPolicy", "TokenBucket", "reserved_tokens"]
 
 QUOTAS = ("requests_per_minute", "tokens_per_minute", "max_concurrent", "max_queued", "max_spend")
 _BUCKETS = {"requests_per_minute": "requests", "tokens_per_minute": "tokens", "max_spend": "spend"}
@@ -130,6 +130,12 @@ class QuotaHold:
         self._ledger._release(self._tenant, max(0, self._tokens - used), refund_request=False, cost=_cost_of(req))
 
 
+def reserved_tokens(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
+    """The tokens a request takes from its tenant's ``tokens_per_minute`` when admitted: prompt + max_tokens,
+    capped by the context."""
+    return min(prompt_len + max_tokens, max_model_len)
+
+
 def _cost_of(req: Request) -> float:
     """The request's money: its cost record's when it finished, else its tier's price of what it computed."""
     if req.cost is not None and req.cost.monetary is not None:
@@ -165,26 +171,37 @@ class TenantLedger:
         bucket.refill(self.clock())
         return bucket.level
 
-    def check_group(self, tenant: str, tokens: Sequence[int], what: str = "n") -> None:
-        """Raise InvalidRequestError (a 400: no wait would help) if requests of ``tokens`` tokens each (the
-        choices of one API request, admitted one by one, each prompt + max_tokens) could never all be admitted
-        together under ``tenant``'s quotas; ``what`` names the field that sets their number."""
+    def check_group(self, tenant: str, tokens: Sequence[int], prompts: int = 1) -> None:
+        """Raise InvalidRequestError (a 400: no wait would help) if the engine requests of one API request
+        (``prompts`` prompts × n choices, admitted one by one; ``tokens``: each one's prompt + max_tokens, see
+        :func:`reserved_tokens`) could never all be admitted together under ``tenant``'s quotas. A request that
+        could not even be admitted alone is left to :meth:`reserve`, which names its own field. Reads only the
+        policies (no lock needed)."""
         t = self._tenants.get(tenant)
-        if t is None or len(tokens) < 2:
+        k = len(tokens)
+        if t is None or k < 2:
             return
-        p, k, total = t.policy, len(tokens), sum(tokens)
-        why = None
+        p, total = t.policy, sum(tokens)
+        if p.tokens_per_minute is not None and max(tokens) > p.tokens_per_minute:
+            return  # reserve() says which field of the one request to lower
         if p.max_concurrent is not None and k > p.max_concurrent:
-            why = f"its max_concurrent quota of {p.max_concurrent} requests in flight"
+            why, fix = f"its max_concurrent quota of {p.max_concurrent} requests in flight", ""
         elif p.requests_per_minute is not None and k > p.requests_per_minute:
-            why = f"its requests_per_minute quota of {p.requests_per_minute:g}"
+            why, fix = f"its requests_per_minute quota of {p.requests_per_minute:g}", ""
         elif p.tokens_per_minute is not None and total > p.tokens_per_minute:
-            why = (f"its tokens_per_minute quota of {p.tokens_per_minute:g} (together they need {total} tokens, "
-                   "prompt + max_tokens each)")
-        if why is not None:
-            raise InvalidRequestError(
-                what, f"this request runs {k} choices at once (one engine request per prompt and choice), more "
-                f"than tenant {tenant!r} can ever admit together under {why}: ask for fewer")
+            why = (f"its tokens_per_minute quota of {p.tokens_per_minute:g}: together they need {total} tokens "
+                   "(prompt + max_tokens each)")
+            fix = " or lower max_tokens"
+        else:
+            return
+        n = k // prompts
+        if n == 1:
+            field, what = "prompt", f"{prompts} prompts"
+        else:
+            field, what = "n", f"n={n}" if prompts == 1 else f"{prompts} prompts x n={n}"
+        raise InvalidRequestError(
+            field, f"this request runs {k} engine requests at once ({what}), more than tenant {tenant!r} can ever "
+            f"admit together under {why}: ask for fewer{fix}")
 
     def reserve(self, req: Request, tokens: int, waiting: Iterable[Request]) -> QuotaHold | None:
         """Check every quota of ``req.tenant`` for a request of ``tokens`` tokens (prompt + max_tokens), then

@@ -28,7 +28,9 @@ from litellm_pipeline.server.gate import Gate, GateState
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from litellm_pipeline.server.responses import ChoiceState, TokenText, chat_body, chunk, completion_body, usage
 from litellm_pipeline.server.specs import Choice, Limits, chat_specs, completion_specs
+from litellm_pipeline.telemetry import RequestRejected
 from litellm_pipeline.telemetry.prometheus import CONTENT_TYPE_LATEST, PrometheusSink
+from litellm_pipeline.tenants import reserved_tokens
 
 __all__ = ["build_app", "metrics_sink"]
 
@@ -145,8 +147,15 @@ def build_app(
         states = [ChoiceState(c.index, c.prompt_index, chat, top_k) for c in choices]
         rt = aeng.engine.rt
         if rt.tenants is not None:  # choices are admitted one by one: refuse a set no quota can ever take whole
-            rt.tenants.check_group(choices[0].spec.tenant, [
-                min(len(c.spec.prompt) + c.spec.params.max_tokens, rt.max_model_len) for c in choices])
+            who = choices[0].spec.tenant
+            try:
+                rt.tenants.check_group(who, [reserved_tokens(len(c.spec.prompt), c.spec.params.max_tokens,
+                                                             rt.max_model_len) for c in choices],
+                                       prompts=choices[-1].prompt_index + 1)
+            except InvalidRequestError as exc:
+                if rt.bus.enabled:
+                    rt.bus.publish(RequestRejected(choices[0].spec.request_id, who, type(exc).__name__, str(exc)))
+                raise
         try:
             fan = await FanIn.open(aeng, choices)  # a refusal raises here: a plain 4xx, nothing left running
         except InvalidRequestError as exc:

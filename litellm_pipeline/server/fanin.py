@@ -44,7 +44,9 @@ class FanIn:
             # the engine loop may have run the admitted choices meanwhile: the API request is refused, so
             # what their quotas took comes back in full (now, before the cancelled tasks abort them plainly)
             for c in choices:
-                aeng.engine.abort(c.spec.request_id, refund=True)
+                req = aeng.engine.requests.get(c.spec.request_id)
+                if req is not None and req.spec is c.spec:  # this choice's, not another request's of that id
+                    aeng.engine.abort(c.spec.request_id, refund=True)
             fan.cancel()
             raise fan._failure
         return fan

@@ -14,6 +14,7 @@ from litellm_pipeline.engine.scheduler import blocks_for
 from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
+from litellm_pipeline.tenants import reserved_tokens
 
 
 @register("stage", "admit")
@@ -37,7 +38,7 @@ class Admit(Stage):
                 f"is {n} tokens but the model's context is {rt.max_model_len} tokens "
                 "(the prompt must leave room for at least one generated token)",
             )
-        total = min(n + req.params.max_tokens, rt.max_model_len)
+        total = reserved_tokens(n, req.params.max_tokens, rt.max_model_len)
         need = blocks_for(total, rt.block_size)
         if need > rt.pool.num_blocks:
             raise InvalidRequestError(

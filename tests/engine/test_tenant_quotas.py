@@ -229,12 +229,15 @@ def test_a_group_no_quota_can_ever_take_whole_is_refused_naming_it(quotas):
     ledger.check_group("acme", [30, 30])  # fits every quota
     ledger.check_group("acme", [500])  # one request: reserve() judges it alone
     ledger.check_group("nobody", [500] * 9)  # a tenant without quotas
-    for tokens, words in (([10] * 3, ["3 choices", "max_concurrent quota of 2"]),
-                          ([60, 50], ["2 choices", "tokens_per_minute quota of 100", "together they need 110"])):
+    ledger.check_group("acme", [150, 10])  # one of them too big alone: reserve() names its max_tokens
+    for tokens, prompts, field, words in (
+            ([10] * 3, 1, "n", ["3 engine requests at once (n=3)", "max_concurrent quota of 2"]),
+            ([10] * 3, 3, "prompt", ["(3 prompts)", "max_concurrent quota of 2", "ask for fewer"]),
+            ([60, 50], 1, "n", ["tokens_per_minute quota of 100: together they need 110", "lower max_tokens"])):
         with pytest.raises(InvalidRequestError) as exc:
-            ledger.check_group("acme", tokens, what="n")
-        assert exc.value.field == "n" and all(w in str(exc.value) for w in words), str(exc.value)
+            ledger.check_group("acme", tokens, prompts=prompts)
+        assert exc.value.field == field and all(w in str(exc.value) for w in words), str(exc.value)
     wide = quotas(max_concurrent=10, requests_per_minute=3)
-    with pytest.raises(InvalidRequestError, match="4 choices.*requests_per_minute quota of 3"):
-        wide.check_group("acme", [1] * 4)
+    with pytest.raises(InvalidRequestError, match=r"4 engine requests at once \(2 prompts x n=2\).*requests_per_minute"):
+        wide.check_group("acme", [1] * 4, prompts=2)
     assert wide.in_flight("acme") == 0 and wide.level("acme", "requests_per_minute") == 3  # nothing taken

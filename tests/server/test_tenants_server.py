@@ -148,14 +148,23 @@ def test_a_request_over_the_token_quota_is_a_400(server):
         resp = client.post("/v1/completions", json={**SHORT, "n": 2}, headers=auth("small"))
         assert resp.status_code == 400 and "Retry-After" not in resp.headers
         err = resp.json()["error"]
-        assert err["param"] == "n" and "runs 2 choices at once" in err["message"]
-        assert "tokens_per_minute quota of 20 (together they need 24 tokens" in err["message"]
+        assert err["param"] == "n" and "runs 2 engine requests at once (n=2)" in err["message"]
+        assert "tokens_per_minute quota of 20: together they need 24 tokens" in err["message"]
+        assert err["message"].endswith("ask for fewer or lower max_tokens")
         assert server.engine.rt.tenants.level("small", "tokens_per_minute") >= before  # nothing was taken
         resp = client.post("/v1/completions", json={**SHORT, "prompt": ["1+2=", "3+4="], "n": 2},
                            headers=auth("limited"))
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
-        assert "4 choices" in resp.json()["error"]["message"]
+        assert "4 engine requests at once (2 prompts x n=2)" in resp.json()["error"]["message"]
         assert "requests_per_minute quota of 2" in resp.json()["error"]["message"]
+        # several prompts, no n: the prompts are what to cut
+        resp = client.post("/v1/completions", json={**SHORT, "prompt": ["1+2=", "3+4=", "5+6="]},
+                           headers=auth("limited"))
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+        assert "3 engine requests at once (3 prompts)" in resp.json()["error"]["message"]
+        # one choice already too big alone: its own max_tokens is named, not n
+        resp = client.post("/v1/completions", json={**SHORT, "max_tokens": 30, "n": 2}, headers=auth("small"))
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "max_tokens"
     wait_pool_empty(server.engine)
 
 
