@@ -29,6 +29,17 @@ class TokenizerError(ValueError):
     """A tokenizer file is missing or broken, or a chat template cannot be rendered."""
 
 
+def not_unicode(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode text (a lone UTF-16 surrogate, which JSON's ``\\ud800`` escapes can
+    carry into a Python str), or None if it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"text is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character {exc.start} "
+                "(UTF-16 surrogates come only in pairs)")
+    return None
+
+
 def _read_json(path: Path, required: bool) -> dict | None:
     if not path.is_file():
         if required:
@@ -172,13 +183,9 @@ class Tokenizer:
         try:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         except TypeError:
-            if isinstance(text, str):
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError as exc:
-                    raise TokenizerError(
-                        f"text is not valid Unicode: a lone surrogate U+{ord(text[exc.start]):04X} at character "
-                        f"{exc.start} (UTF-16 surrogates come only in pairs)") from None
+            problem = not_unicode(text) if isinstance(text, str) else None
+            if problem is not None:
+                raise TokenizerError(problem) from None
             raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -39,7 +39,7 @@ from litellm_pipeline.telemetry import (
     StepFinished,
     TierSelected,
 )
-from litellm_pipeline.tokenizer import IncrementalDetokenizer
+from litellm_pipeline.tokenizer import IncrementalDetokenizer, TokenizerError
 
 # the longest a step waits for a thread that asked for the lock before it to take it (that thread may be
 # descheduled; then the step goes ahead and the thread gets the lock after it)
@@ -96,7 +96,10 @@ class Engine:
         Raises :class:`InvalidRequestError` naming the field if any request-level stage rejects it; then
         nothing of it remains (no queue entry, blocks, generator or id)."""
         spec = to_spec(prompt, params, **fields)
-        ids = self.rt.tokenizer.encode(spec.prompt) if isinstance(spec.prompt, str) else list(spec.prompt)
+        try:
+            ids = self.rt.tokenizer.encode(spec.prompt) if isinstance(spec.prompt, str) else list(spec.prompt)
+        except TokenizerError as exc:  # text that is no Unicode text
+            raise InvalidRequestError("prompt", str(exc)) from None
         req = Request(spec, ids, request_id=spec.request_id)
         bus = self.bus
         with self._locked():

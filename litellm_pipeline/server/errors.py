@@ -72,8 +72,16 @@ def request_error_body(exc: RequestError) -> tuple[int, dict[str, Any], dict[str
 
 def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
     """(message, param) of a request body's validation errors: one line per field, the first field named."""
-    if any(e.get("type") == "missing" and tuple(e.get("loc", ())) == ("body",) for e in errors):
-        return "the request body is empty: it must be a JSON object", None
+    for e in errors:
+        if tuple(e.get("loc", ())) != ("body",):
+            continue
+        if e.get("type") == "missing":
+            return "the request body is empty: it must be a JSON object", None
+        if e.get("type") == "model_attributes_type":  # valid JSON, but not an object
+            got = e.get("input")
+            kind = {type(None): "null", bool: "a boolean", list: "an array", str: "a string"}.get(
+                type(got), "a number")
+            return f"the request body must be a JSON object, got {kind}", None
     per_field: dict[Any, dict[str, Any]] = {}
     for e in errors:
         loc = tuple(p for p in e.get("loc", ()) if not (isinstance(p, str) and _UNION_TAG.match(p)))

@@ -19,7 +19,7 @@ from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from litellm_pipeline.tokenizer import Tokenizer, TokenizerError
+from litellm_pipeline.tokenizer import Tokenizer, TokenizerError, not_unicode
 
 __all__ = ["Choice", "Limits", "completion_specs", "chat_specs", "COMPLETION_DEFAULT_MAX_TOKENS"]
 
@@ -68,6 +68,13 @@ def completion_specs(body: CompletionRequest, tok: Tokenizer, limits: Limits, te
 
 
 def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tenant: str = "") -> list[Choice]:
+    for i, m in enumerate(body.messages):
+        parts = [("content", m.content)] if isinstance(m.content, str) else [
+            (f"content[{j}].text", p.text) for j, p in enumerate(m.content or ())]
+        for key, text in [*parts, ("name", m.name)]:
+            problem = not_unicode(text) if text is not None else None
+            if problem is not None:
+                raise InvalidRequestError(f"messages[{i}].{key}", problem)
     messages = [m.as_template_message() for m in body.messages]
     try:
         text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
@@ -77,10 +84,7 @@ def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tena
                 "messages", "this model has no chat template (its tokenizer_config.json / chat_template.jinja "
                 "define none): use /v1/completions with a plain prompt") from None
         raise InvalidRequestError("messages", str(exc)) from None
-    try:
-        ids = tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
-    except TokenizerError as exc:
-        raise InvalidRequestError("messages", f"rendered prompt: {exc}") from None
+    ids = tok.encode(text, add_special_tokens=False)  # the template wrote the special tokens it wants
     if not ids:
         raise InvalidRequestError("messages", "the chat template rendered them to an empty prompt")
     key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

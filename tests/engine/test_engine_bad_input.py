@@ -24,6 +24,7 @@ def _bad_cases(tiers):
         "never-fits-cache": (p10, greedy(50), None, ["KV blocks", "15", "12"]),
         "unknown-tier": (p10, greedy(4), "turbo", ["unknown tier", "turbo", *tiers]),
         "duplicate-id": (p10, greedy(4), "dup", ["already in use", "good-one"]),
+        "not-unicode": ("ab\ud800", greedy(4), None, ["prompt: text is not valid Unicode", "U+D800 at character 2"]),
     }
 
 
@@ -85,3 +86,13 @@ def test_unknown_default_tier_is_a_config_error(hf_checkpoint):
     assert "turbo" in msg
     for name in ("fast", "balanced", "deep", "max"):
         assert name in msg
+
+
+def test_text_that_is_not_unicode_is_an_invalid_request_naming_the_prompt(make_llm):
+    from litellm_pipeline.errors import InvalidRequestError
+
+    llm = make_llm("llama", **CONFIG)
+    with pytest.raises(InvalidRequestError) as info:
+        llm.generate("\udfffab", greedy(2))
+    assert info.value.field == "prompt" and "lone surrogate U+DFFF at character 0" in str(info.value)
+    assert_pool_empty(llm)

@@ -19,7 +19,8 @@ C, CHAT = "/v1/completions", "/v1/chat/completions"
 CASES = {
     # name: (path, body, status, param, fragments of the message)
     "invalid-json": (C, b'{"prompt": "1+2=",', 400, None, ["not valid JSON"]),
-    "not-an-object": (C, b'["1+2="]', 400, None, ["valid dictionary"]),
+    "not-an-object": (C, b'["1+2="]', 400, None, ["must be a JSON object", "got an array"]),
+    "null-body": (C, b"null", 400, None, ["must be a JSON object", "got null"]),
     "missing-prompt": (C, {"model": "demo"}, 400, "prompt", ["required"]),
     "prompt-wrong-type": (C, {"prompt": {"text": "1+2="}}, 400, "prompt", ["must be a string", "token ids"]),
     "temperature-wrong-type": (C, {"prompt": "1+2=", "temperature": "hot"}, 400, "temperature", ["number", "'hot'"]),
@@ -156,13 +157,19 @@ def test_chat_errors_use_the_chat_field_names(chat_server, body, param, fragment
         assert fragment in err["message"], f"{fragment!r} missing from {err['message']!r}"
 
 
-def test_chat_message_that_is_not_unicode_text_is_refused(chat_server):
+@pytest.mark.parametrize("message, param, where", [
+    (b'{"role": "user", "content": "a\\ud800"}', "messages[1].content", "U+D800 at character 1"),
+    (b'{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": "\\udc00"}]}',
+     "messages[1].content[1].text", "U+DC00 at character 0"),
+    (b'{"role": "user", "content": "hi", "name": "b\\ud801"}', "messages[1].name", "U+D801 at character 1"),
+])
+def test_chat_message_that_is_not_unicode_text_is_refused(chat_server, message, param, where):
+    """Named by the message, part and character where the client put it, not by where the template put it."""
     with chat_server.client() as client:
-        resp = client.post(CHAT, content=b'{"messages": [{"role": "user", "content": "a\\ud800"}]}')
+        resp = client.post(CHAT, content=b'{"messages": [{"role": "system", "content": "be brief"}, ' + message + b']}')
     assert resp.status_code == 400, resp.text
     err = resp.json()["error"]
-    assert err["param"] == "messages" and "rendered prompt: text is not valid Unicode" in err["message"]
-    assert "lone surrogate U+D800" in err["message"]
+    assert err["param"] == param and f"text is not valid Unicode: a lone surrogate {where}" in err["message"]
 
 
 def test_null_means_the_default_as_in_openais_api(demo_server, chat_server, reference):
