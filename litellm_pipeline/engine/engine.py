@@ -133,7 +133,7 @@ class Engine:
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         req.detokenizer = IncrementalDetokenizer(self.rt.tokenizer, req.prompt_ids, p.skip_special_tokens)
         if p.logprobs is not None:
-            req.logprobs = []
+            req.logprobs, req.text_offsets = [], []
         self.requests[req.request_id] = req
         self.rt.scheduler.add(req)
         if self.bus.enabled:
@@ -249,6 +249,9 @@ class Engine:
             req.output_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(logprobs)
+            if req.text_offsets is not None:
+                at = e.text_offset if e is not None else None
+                req.text_offsets.append(at if at is not None else len(req.text))
             if req.first_token_time is None:
                 req.first_token_time = now
                 if self.bus.enabled:

@@ -58,6 +58,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    text_offsets: list[int] | None = None  # where each output token's text starts in ``text`` (with logprobs)
     num_computed: int = 0  # tokens of prompt+output whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
@@ -152,11 +153,13 @@ class Sample(NamedTuple):
 
 
 class Emission(NamedTuple):
-    """What the emit stage makes of one sample: the text to stream now, and a finish it asks for."""
+    """What the emit stage makes of one sample: the text to stream now, a finish it asks for, and where the
+    token's text starts in the request's text (None: the engine takes the text's end)."""
 
     request: Request
     delta_text: str
     finish_reason: str | None  # "stop" / "length" / None; the engine enforces token limits regardless
+    text_offset: int | None = None
 
 
 @dataclass
@@ -173,6 +176,7 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None
     tier: str | None = None
+    text_offsets: list[int] | None = None  # with logprobs: where each token's text starts in ``text``
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed (finish_reason "error")
     error_id: str | None = None  # the id of that failure in the log
@@ -195,6 +199,7 @@ def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | No
         finished=req.finished,
         finish_reason=req.finish_reason,
         logprobs=req.logprobs,
+        text_offsets=req.text_offsets,
         tier=req.tierset.name if req.tierset else None,
         num_cached_tokens=req.num_cached_tokens,
         cost=(req.cost or req.cost_record()) if req.finished else None,

@@ -23,15 +23,9 @@ class TokenText:
     def __init__(self, tok: Tokenizer):
         self._text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
             lambda i: tok.decode([i], skip_special_tokens=False))
-        self._shown: Callable[[int], int] = lru_cache(maxsize=1 << 16)(
-            lambda i: len(tok.decode([i], skip_special_tokens=True)))
 
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
-
-    def shown_len(self, token_id: int) -> int:
-        """How many characters the token adds to the output text, which skips special tokens (0 for them)."""
-        return self._shown(token_id)
 
 
 @dataclass
@@ -44,7 +38,6 @@ class ChoiceState:
     top_k: int | None  # logprobs asked for (alternatives per token), None: no logprobs
     text: str = ""
     final: RequestOutput | None = None
-    offset: int = 0  # completions' text_offset of the next token
     # completions format
     tokens: list[str] = field(default_factory=list)
     token_logprobs: list[float] = field(default_factory=list)
@@ -67,10 +60,10 @@ class ChoiceState:
             self.content += entries
             return out.delta_text, {"content": entries}
         delta = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for token_id, (token, lp, top) in zip(out.delta_token_ids, entries):
-            for key, value in zip(delta, (token, lp, top, self.offset)):
+        # where the engine's detokenizer put each token's text (a sentencepiece word's leading space included)
+        for (token, lp, top), at in zip(entries, out.text_offsets[start:]):
+            for key, value in zip(delta, (token, lp, top, at)):
                 delta[key].append(value)
-            self.offset += token_text.shown_len(token_id)
         for key in delta:
             getattr(self, key).extend(delta[key])
         return out.delta_text, delta

@@ -39,7 +39,7 @@ class Emit(Stage):
             for f in filters:
                 if self._filter(f, req):
                     reason = "stop"
-            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason))
+            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, prev_len))
         ctx.emissions = out
 
     @staticmethod

@@ -53,3 +53,20 @@ def test_logprobs_sampled_and_zero(llama):
     out0 = alone(llama, prompt, greedy(5, logprobs=0))
     assert [list(e) for e in out0.logprobs] == [[t] for t in out0.token_ids]
     assert_pool_empty(llama)
+
+
+def test_text_offsets_say_where_each_token_s_text_starts(llama):
+    """With logprobs, ``text_offsets[k]`` is the length of the text before token k: what the streaming
+    detokenizer made of the tokens before it (a character split across tokens starts at its first byte)."""
+    from litellm_pipeline.tokenizer import IncrementalDetokenizer
+
+    for seed in (93, 94):
+        prompt = random_prompts([11], seed=seed)[0]
+        out = alone(llama, prompt, greedy(24, logprobs=0))
+        detok, text, want = IncrementalDetokenizer(llama.tokenizer, prompt), "", []
+        for t in out.token_ids:
+            want.append(len(text))
+            text += detok.add(t)
+        assert out.text_offsets == want and out.text == text + detok.flush()
+    assert alone(llama, prompt, greedy(3)).text_offsets is None  # only with logprobs
+    assert_pool_empty(llama)

@@ -127,14 +127,8 @@ def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
 
     texts = {5: "a", 6: "\ufffd", 7: "\ufffd", 8: "b"}
 
-    class Texts:
-        def __call__(self, i):
-            return texts[i]
-
-        def shown_len(self, i):
-            return len(texts[i])
-
-    token, lp, top = ChoiceState(0, 0, chat=False, top_k=4)._entry(5, {5: -0.1, 6: -1.0, 7: -2.0, 8: -3.0}, Texts())
+    token, lp, top = ChoiceState(0, 0, chat=False, top_k=4)._entry(5, {5: -0.1, 6: -1.0, 7: -2.0, 8: -3.0},
+                                                                     texts.get)
     assert (token, lp) == ("a", -0.1) and top == {"a": -0.1, "\ufffd": -1.0, "b": -3.0}
 
 
