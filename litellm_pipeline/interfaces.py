@@ -83,7 +83,8 @@ class PipelineStage(Protocol):
           (``[(request, num_new_tokens)]`` in row order) and ``kv_layout``; upstream stages add ``route_plan``,
           ``prefill_batch``, ``logits`` (``[R, V]`` float, or None when no row samples), ``sample_requests``
           (``R`` requests), ``samples`` (``Sample(request, token_id, logprobs)``) and ``emissions``
-          (``Emission(request, delta_text, finish_reason)``). Transform the context only: never advance
+          (``Emission(request, delta_text, finish_reason, text_offset=None)``: where the token's text starts in
+          ``request.text``, None for its end). Transform the context only: never advance
           ``num_computed``, append tokens, finish or free a request (the engine's postprocess does), and keep
           tensors on ``rt.device``. If it raises, the engine restores each request's generator and text and
           retries the step's requests one by one, so a stage must not change request state it cannot undo.
