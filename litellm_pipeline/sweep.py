@@ -100,12 +100,14 @@ def run_sweep_job(cfg) -> dict:
 
     plain = to_plain(cfg)
     s = sweep_settings(plain.get("sweep"))
+    tiers = plain.get("tiers") or {}
+    if s.tier is not None and s.tier not in tiers:  # before anything loads
+        raise ConfigError(f"sweep.tier: unknown tier {s.tier!r}; configured tiers: {', '.join(tiers)}")
     engine = build_engine(plain)
-    if s.tier is not None and s.tier not in engine.rt.tiers:
-        raise ConfigError(f"sweep.tier: unknown tier {s.tier!r}; configured tiers: {', '.join(engine.rt.tiers)}")
     demo = plain["model"].get("path") is None
     prompts, answers, tasks = _workload(engine, s, demo)
-    params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0)
+    # the demo's answers end at EOS; elsewhere every tier makes max_tokens tokens, compared with the full model's
+    params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=not demo)
     # warm-up (kernels built and paged in, first latencies seen), so the first job of a sweep is not the slowest
     _run(engine, prompts[:4], SamplingParams(max_tokens=2, temperature=0.0), s.tier)
     outs, rejected, seconds = _run(engine, prompts, params, s.tier)
@@ -119,8 +121,7 @@ def run_sweep_job(cfg) -> dict:
         per_task = {t: sum(v) / len(v) for t, v in by_task.items()}
     else:
         full = max(engine.rt.tiers.values(), key=lambda t: sum(t.experts_per_layer))
-        ref, _, _ = _run(engine, prompts, SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True),
-                         full.name)
+        ref, _, _ = _run(engine, prompts, params, full.name)
         agree = total = 0
         for o, r in zip(outs, ref):
             n = len(r.token_ids)

@@ -100,3 +100,23 @@ def test_results_load_in_job_order_whatever_the_folder_names(tmp_path):
         (tmp_path / name).mkdir()
         (tmp_path / name / "sweep.json").write_text(json.dumps({"job": name}))
     assert [r["job"] for r in load_results(tmp_path)] == ["2", "10", "b0", "b1"]
+
+
+def test_a_checkpoint_sweep_scores_the_full_model_as_itself(tmp_path, hf_checkpoint):
+    """Beyond the demo model quality is the share of greedy tokens equal to the full model's: 1.0 at the full
+    model, every tier making max_tokens tokens (a run that stops at EOS would count its missing tokens)."""
+    ck = hf_checkpoint("qwen3_moe")
+    sweep_dir = tmp_path / "sweep"
+    run(["-m", "+recipe=sweep", f"model.path={ck}", "sweep.tier=max", *QUICK, f"hydra.sweep.dir={sweep_dir}"],
+        tmp_path)
+    (job,) = jobs(sweep_dir)
+    assert job["quality"] == 1.0 and job["accuracy_by_task"] is None
+
+
+def test_an_unknown_sweep_tier_is_refused_before_the_model_loads(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "litellm_pipeline", "+recipe=sweep", "sweep.tier=nosuch",
+                           "model.path=/nonexistent/checkpoint", f"hydra.run.dir={tmp_path}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    # the checkpoint path does not exist: had the engine been built first, that would be the error
+    assert proc.returncode != 0 and "sweep.tier: unknown tier 'nosuch'" in proc.stderr + proc.stdout
+    assert "fast, balanced, deep, max" in proc.stderr + proc.stdout
