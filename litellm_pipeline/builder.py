@@ -311,7 +311,7 @@ def build_from_app(app: AppConfig) -> Engine:
         try:
             stage = cls(rt, **params)
         except (TypeError, ValueError, registry.RegistryError) as exc:
-            raise ConfigError(f"pipeline.stages.{name}.params: {exc}") from exc
+            raise ConfigError(_stage_param_error(name, params, str(exc))) from exc
         (request_stages if cls.level == "request" else step_stages).append(stage)
     # a stage that can hand each logits row's argmax on (decode: its fused kernels find it as they write the
     # logits) does so only where the stage right after it reads it, so no stage between them changed the logits
@@ -322,3 +322,13 @@ def build_from_app(app: AppConfig) -> Engine:
     if app.device.compile:  # after the stages bound their implementations into the model
         model.forward = torch.compile(model.forward, dynamic=True)
     return Engine(rt, request_stages, step_stages)
+
+
+def _stage_param_error(stage: str, params: dict, msg: str) -> str:
+    """A stage constructor's error with the key path of what it refused: kept where the message names it already,
+    else the parameter whose value an unknown-name error quotes (``unknown sampler 'x'``: ``...params.sampler``)."""
+    prefix = f"pipeline.stages.{stage}.params"
+    if msg.startswith(prefix):
+        return msg
+    key = next((k for k, v in params.items() if isinstance(v, str) and repr(v) in msg), None)
+    return f"{prefix}.{key}: {msg}" if key is not None else f"{prefix}: {msg}"

@@ -69,6 +69,18 @@ def test_unknown_stage_parameter(tmp_path):
     assert "pipeline.stages.prefill.params" in str(exc.value) and "speed" in str(exc.value)
 
 
+@pytest.mark.parametrize("override, starts", [
+    ("pipeline.stages.sample.params.sampler=nosuch", "pipeline.stages.sample.params.sampler: unknown sampler 'nosuch'"),
+    ("pipeline.stages.decode.params.attention=nosuch",
+     "pipeline.stages.decode.params.attention: unknown attention 'nosuch'"),
+    ("pipeline.stages.select_tier.params.tier=nosuch", "pipeline.stages.select_tier.params.tier: unknown tier 'nosuch'"),
+])
+def test_a_stage_parameter_error_names_its_key_once(override, starts):
+    with pytest.raises(ConfigError) as exc:
+        _build(override)  # the demo model
+    assert str(exc.value).startswith(starts) and str(exc.value).count("pipeline.stages") == 1, str(exc.value)
+
+
 def test_order_naming_an_undeclared_stage(tmp_path):
     with pytest.raises(ConfigError) as exc:
         _build("pipeline.order=[admit,select_tier,route,prefill,decode,filter,sample,emit]", model=tmp_path)
