@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from litellm_pipeline.errors import ConfigError, format_validation_error
 
@@ -67,13 +67,13 @@ class BenchSettings(_Section):
         return {"pipeline.stages.decode.params.layer_ops": "cpu_int8",
                 "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
 
-    @model_validator(mode="after")
-    def _ranges(self) -> "BenchSettings":
-        for name in ("prompt_len", "output_len"):
-            lo, hi = getattr(self, name)
-            if lo < 1 or hi < lo:
-                raise ValueError(f"{name}: must be [lo, hi] with 1 <= lo <= hi (got [{lo}, {hi}])")
-        return self
+    @field_validator("prompt_len", "output_len")
+    @classmethod
+    def _range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        lo, hi = v
+        if lo < 1 or hi < lo:
+            raise ValueError("must be [lo, hi] with 1 <= lo <= hi")
+        return v
 
 
 def bench_settings(section: Any) -> BenchSettings:
