@@ -23,6 +23,8 @@ Prompt = Union[str, Sequence[int]]
 
 def _check_prompt(prompt: Any) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
+        if not prompt:  # tokenized, it would be a BOS alone: nothing the caller wrote
+            raise InvalidRequestError("prompt", "is empty: it must hold at least one token")
         return prompt
     if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
         raise InvalidRequestError(

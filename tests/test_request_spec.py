@@ -148,6 +148,7 @@ def test_llm_generate_applies_keyword_fields_to_every_prompt(llm, seen):
         (dict(prompt=[1.9, 6.7]), "prompt", "token ids must be integers (got 1.9)"),
         (dict(prompt=[True, 5]), "prompt", "token ids must be integers (got True)"),
         (dict(prompt=b"abc"), "prompt", "got bytes"),
+        (dict(prompt=""), "prompt", "is empty: it must hold at least one token"),  # not a BOS alone
         (dict(prompt=[1], params=3), "params", "must be a SamplingParams or a mapping of its fields (got int)"),
         (dict(prompt=[1], params={"max_tokens": 0}), "params", "max_tokens: must be >= 1 (got 0)"),
         (dict(prompt=[1], budget={"latency_cost_ms": -1}), "budget", "latency_cost_ms: must be > 0"),

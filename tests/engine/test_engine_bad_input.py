@@ -21,6 +21,7 @@ def _bad_cases(tiers):
         "id-out-of-vocab": ([5, 10_000, 7], greedy(4), None, ["10000", "384", "vocabulary"]),
         "negative-id": ([5, -1, 7], greedy(4), None, ["-1", "384", "vocabulary"]),
         "empty": ([], greedy(4), None, ["empty"]),
+        "empty-text": ("", greedy(4), None, ["prompt: is empty"]),
         "never-fits-cache": (p10, greedy(50), None, ["KV blocks", "15", "12"]),
         "unknown-tier": (p10, greedy(4), "turbo", ["unknown tier", "turbo", *tiers]),
         "duplicate-id": (p10, greedy(4), "dup", ["already in use", "good-one"]),
