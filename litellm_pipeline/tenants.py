@@ -20,7 +20,8 @@ Quotas (each ``None``: no limit):
 
 A request that ends before any of its tokens were computed (aborted while queued: its client left) is refunded
 in full, and so is a choice aborted because a sibling choice of its API request was refused, even if it had
-started (``Engine.abort(..., refund=True)`` cancels its holds). Tenants not named in the config have no quota (weight 1).
+started (``Engine.abort(..., refund=True)`` cancels its holds). Tenants not named in the config have no quota
+(weight 1).
 All methods but ``check_group`` (which reads only the policies) run under the engine lock (request stages,
 finishing and aborting hold it), so there is no lock here.
 """

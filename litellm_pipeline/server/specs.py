@@ -71,7 +71,7 @@ def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tena
     for i, m in enumerate(body.messages):
         parts = [("content", m.content)] if isinstance(m.content, str) else [
             (f"content[{j}].text", p.text) for j, p in enumerate(m.content or ())]
-        for key, text in [*parts, ("name", m.name)]:
+        for key, text in [*parts, ("name", m.name)]:  # (the role: pydantic refuses it already)
             problem = not_unicode(text) if text is not None else None
             if problem is not None:
                 raise InvalidRequestError(f"messages[{i}].{key}", problem)
