@@ -876,7 +876,8 @@ struct TeamLayer {
   TeamLinear qkv, o, gate_up, down;  // MoE: gate_up and down are expert 0's, the others follow at a fixed stride
   at::Tensor k_cache, v_cache;
   int64_t window;
-  // MoE layers: the router and moe_route's arguments (an undefined router: a dense MLP)
+  // MoE layers: the router's weights (held here for gate, which points into them; undefined: a dense MLP) and
+  // route_rows' arguments
   at::Tensor router;
   TeamLinear gate;  // the router as a linear (its logits, then route_rows)
   int64_t moe_k = 0, experts = 0;
