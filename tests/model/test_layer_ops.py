@@ -581,6 +581,23 @@ def test_decode_plan_runs_a_step_from_its_tokens_as_from_its_metadata(fused, cas
     assert not torch.equal(a2[8][0], args[8][0])  # the step wrote its K rows
 
 
+@pytest.mark.parametrize("count", [0, 5, 8, 37, 1000, 4099])
+@pytest.mark.parametrize("threads,shares", [(1, 1), (2, 2), (3, 3), (1, 2), (2, 4)])
+def test_take_rows_runs_every_row_once(fused, count, threads, shares):
+    """The team's rows of a projection: each row runs exactly once however the threads take them, also when
+    fewer threads come than there are shares (their rows are taken by those that came), and a thread whose core
+    stalls (`late`: it starts only after thread 0 has returned) finds its share run by the other."""
+    trace = torch.ops.litellm_pipeline_cpu.take_rows_trace
+    for late in (False, True):
+        ran = trace(count, threads, shares, 32, late)
+        assert ran.shape == (threads, count)
+        assert torch.equal(ran.sum(0), torch.ones(count, dtype=torch.int32)), (late, ran.sum(0))
+        if late and threads == 2:
+            assert ran[1].sum() == 0 and ran[0].sum() == count  # thread 0 ran thread 1's share too
+    with pytest.raises(RuntimeError, match="take_rows_trace: bad arguments"):
+        trace(8, 2, 1, 32, False)  # fewer shares than threads
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_region_argmax_takes_the_first_maximum_across_thread_shares(fused, threads):
     """The region's argmax combines the threads' vocabulary shares as torch's max does: ties go to the lowest id

@@ -409,6 +409,17 @@ inline RowMax first_max(const float* row, int64_t n) {
   return {i, nan ? std::numeric_limits<float>::quiet_NaN() : m, nan != 0};
 }
 
+// the first maximum of two searches (a NaN counts as the largest; the lower index on ties; idx < 0: none)
+inline RowMax first_of(const RowMax& a, const RowMax& b) {
+  if (a.idx < 0) return b;
+  if (b.idx < 0) return a;
+  const RowMax& lo = a.idx < b.idx ? a : b;
+  const RowMax& hi = a.idx < b.idx ? b : a;
+  if (lo.nan) return lo;
+  if (hi.nan) return hi;
+  return hi.val > lo.val ? hi : lo;
+}
+
 // The index of each row's first maximum in a float32 [R, V] tensor (first_max of each row), for the greedy
 // sampler.
 at::Tensor argmax_rows(const at::Tensor& x) {
@@ -820,13 +831,13 @@ at::Tensor residual_mlp(const at::Tensor& h, const at::Tensor& x, const at::Tens
 }
 
 // ---------------------------------------------------------------------------------------------- decode team
-// A decode step can run all its layers inside one parallel region. Each thread takes its share of every
-// projection's output rows (of each expert's, in a MoE block), and attention items (a row and a run of its kv
-// heads) from a shared counter until none is left; the threads meet at a spin barrier only where a step reads
-// rows another thread wrote (five times per layer, dense or MoE: every routed expert's gate_up runs before the
-// one meeting ahead of the downs); the small per-row steps (norms, residual adds, a MoE block's routing and
-// weighted sum) run on every thread at once over whole rows, each thread on its own copy, so they need no
-// meeting.
+// A decode step can run all its layers inside one parallel region. Each thread runs its share of every
+// projection's output rows (of each expert's, in a MoE block), then helps with the others' (take_rows), and takes
+// attention items (a row and a run of its kv heads) from a shared counter until none is left; the threads meet
+// at a spin barrier only where a step reads rows another thread wrote (five times per layer, dense or MoE: every
+// routed expert's gate_up runs before the one meeting ahead of the downs); the small per-row steps (norms,
+// residual adds, a MoE block's routing and weighted sum) run on every thread at once over whole rows, each thread
+// on its own copy, so they need no meeting.
 // Against the op-by-op calls of decode_layers below this drops, per layer, the fork/joins, the serial steps
 // during which the other threads wait, and the framework calls between the kernels (allocations, views,
 // index_copy_), all time in which the weight streams stand idle. Every value comes from the same kernels in the
@@ -862,6 +873,11 @@ struct SpinBarrier {
 };
 #endif  // LLP_SIMD
 
+struct alignas(64) RowShare {  // see take_rows
+  std::atomic<uint64_t> fb{0};
+};
+enum : int64_t { kQkvRows, kORows, kUpRows, kDownRows, kPhases };  // a layer's projections; its experts' follow
+
 struct TeamLinear {
   const void* w = nullptr;
   const float* scale = nullptr;  // int8 weights: their per-row scales
@@ -890,6 +906,15 @@ struct TeamJob {
   int64_t E = 0;  // the most experts a MoE layer has
   int64_t attn_runs = 1;  // a row's kv heads split into this many attention items
   std::atomic<int64_t>* attn_next = nullptr;  // per layer: the next attention item to take
+  // the rows still to run of every projection of the step (see take_rows): row_shares shares each, per layer
+  // kPhases + 2 E projections (qkv, o, the dense MLP's gate rows, down, then each expert's gate rows and down),
+  // then the LM head's
+  RowShare* row_q = nullptr;
+  int row_shares = 1;
+  RowShare* rows_of(size_t layer, int64_t phase) const {
+    return row_q + (static_cast<int64_t>(layer) * (kPhases + 2 * E) + phase) * row_shares;
+  }
+  RowShare* head_rows() const { return rows_of(layers.size(), 0); }
   float eps = 0, qk_eps = 0, final_eps = 0;
   double scale = 0;
   const void *h_in = nullptr, *cos = nullptr, *sin = nullptr;
@@ -923,6 +948,60 @@ inline std::pair<int64_t, int64_t> share(int64_t count, int t, int n) {
   return {std::min(count, blocks * t / n * 8), std::min(count, blocks * (t + 1) / n * 8)};
 }
 
+// A projection's output rows, shared by the team. Thread t owns share(count, t, ns) and runs it from the front,
+// `run` rows at a time; a thread whose rows are done takes the back half of another's remaining rows as its own
+// (which others may then split again) until no share has rows left. On a shared host one core often runs
+// slower than the other (a neighbour on its sibling), and with fixed shares the fast one then waits at every
+// meeting: on a 2-core AMD EPYC a thread waited 2-10% of a mixtral175m step with fixed shares, 0.7-5% with
+// this; time per token 1.00-1.04x faster in float32 (the README has the runs). Which thread computes a row
+// changes nothing in its value.
+// State per share: front | back << 32 in one word (its own cache line), so the owner's front and a thief's back
+// move by compare-and-swap; ranges start at multiples of 8 rows (the kernels' row blocks).
+inline uint64_t pack_fb(int64_t front, int64_t back) {
+  return static_cast<uint64_t>(front) | (static_cast<uint64_t>(back) << 32);
+}
+inline int64_t front_of(uint64_t s) { return static_cast<int64_t>(static_cast<uint32_t>(s)); }
+inline int64_t back_of(uint64_t s) { return static_cast<int64_t>(s >> 32); }
+
+// the ns shares of `count` rows, as share() splits them
+inline void reset_rows(RowShare* q, int64_t count, int ns) {
+  for (int t = 0; t < ns; ++t) {
+    auto [a, b] = share(count, t, ns);
+    q[t].fb.store(pack_fb(a, b), std::memory_order_relaxed);
+  }
+}
+
+// thread t calls f(r0, r1) on runs of rows until every share of q (ns of them: the threads asked for; fewer may
+// have come, and their rows are taken by the others) is empty
+template <typename F>
+inline void take_rows(RowShare* q, int ns, int t, int64_t run, F&& f) {
+  std::atomic<uint64_t>& mine = q[t].fb;
+  for (;;) {
+    uint64_t s = mine.load(std::memory_order_relaxed);
+    while (front_of(s) < back_of(s)) {
+      const int64_t a = front_of(s), e = std::min(back_of(s), a + run);
+      if (mine.compare_exchange_weak(s, pack_fb(e, back_of(s)), std::memory_order_relaxed)) {
+        f(a, e);
+        s = mine.load(std::memory_order_relaxed);
+      }
+    }
+    bool took = false;
+    for (int j = 1; j < ns && !took; ++j) {
+      std::atomic<uint64_t>& other = q[(t + j) % ns].fb;
+      uint64_t o = other.load(std::memory_order_relaxed);
+      while (front_of(o) < back_of(o)) {
+        const int64_t a = front_of(o), b = back_of(o), mid = a + (b - a) / 16 * 8;  // all of it under 16 rows
+        if (other.compare_exchange_weak(o, pack_fb(a, mid), std::memory_order_relaxed)) {
+          mine.store(pack_fb(mid, b), std::memory_order_relaxed);
+          took = true;
+          break;
+        }
+      }
+    }
+    if (!took) return;
+  }
+}
+
 #if LLP_SIMD
 template <typename T>
 inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_t o0, int64_t o1) {
@@ -949,6 +1028,9 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   const T* cs = static_cast<const T*>(J.cos);
   const T* sn = static_cast<const T*>(J.sin);
   std::memcpy(h, J.h_in, sizeof(T) * M * H);
+  // the rows a thread claims at a time: for one input row 32 (64 KB of a 512-wide float32 matrix; one
+  // compare-and-swap on the thread's own line each), for more the 64-row weight blocks of linear_rows
+  auto rows = [&](RowShare* q, int64_t m, auto&& f) { take_rows(q, J.row_shares, t, m == 1 ? 32 : 64, f); };
   const int64_t runs = J.attn_runs, nk = hk / runs, nq = nk * G;  // attention items: (row, run of nk kv heads)
   struct {  // this thread's routing of a MoE layer, made once per step
     std::vector<T> logits_t;
@@ -962,14 +1044,14 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     route.idx.resize(M * J.K), route.w.resize(M * J.K), route.slots.resize(J.E);
   }
   for (const TeamLayer& L : J.layers) {
+    const size_t li = &L - J.layers.data();
     for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(L.in_norm), J.eps, x + m * H, H);
-    auto [q0, q1] = share(L.qkv.O, t, n);
-    team_linear<T>(x, L.qkv, qkv, M, q0, q1);
+    rows(J.rows_of(li, kQkvRows), M, [&](int64_t r0, int64_t r1) { team_linear<T>(x, L.qkv, qkv, M, r0, r1); });
     if (!bar.wait()) return;
     // a thread takes the next item until none is left: rows' contexts differ in length, and a thread that
     // stalls leaves its work to the others. An item rotates its row's q and k heads, writes their K/V rows and
     // attends them; row m is sequence m's one query (run checks), so no item reads what another writes.
-    std::atomic<int64_t>& next = J.attn_next[&L - J.layers.data()];
+    std::atomic<int64_t>& next = J.attn_next[li];
     T* kc = L.k_cache.data_ptr<T>();
     T* vc = L.v_cache.data_ptr<T>();
     for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < M * runs;
@@ -991,27 +1073,29 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
                                  L.window, kh0, kh0 + nk, m, m + 1);
     }
     if (!bar.wait()) return;
-    auto [h0, h1] = share(H, t, n);
-    team_linear<T>(static_cast<const T*>(J.attn.data_ptr()), L.o, a, M, h0, h1);
+    rows(J.rows_of(li, kORows), M, [&](int64_t r0, int64_t r1) {
+      team_linear<T>(static_cast<const T*>(J.attn.data_ptr()), L.o, a, M, r0, r1);
+    });
     if (!bar.wait()) return;
     for (int64_t m = 0; m < M; ++m) {
       add_rows<T>(h + m * H, a + m * H, sum + m * H, H);
       norm_row<T>(sum + m * H, static_cast<const T*>(L.post_norm), J.eps, x + m * H, H);
     }
-    // gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
     const int64_t I = L.down.K;
-    auto [i0, i1] = share(I, t, n);
-    // rows of `in` through gate_up and SiLU * up into act_rows (gu_rows: their stacked projection)
-    auto up = [&](const T* in, int64_t rows, const TeamLinear& gate_up, T* gu_rows, T* act_rows) {
-      team_linear<T>(in, gate_up, gu_rows, rows, i0, i1);
-      team_linear<T>(in, gate_up, gu_rows, rows, I + i0, I + i1);
-      for (int64_t m = 0; m < rows; ++m)
-        silu_row<T>(gu_rows + m * 2 * I, gu_rows + m * 2 * I + I, act_rows + m * I, i0, i1);
+    // m_in rows of `in` through gate_up and SiLU * up into act_rows (gu_rows: their stacked projection), in runs
+    // of gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
+    auto up = [&](const T* in, int64_t m_in, const TeamLinear& gate_up, T* gu_rows, T* act_rows, RowShare* q) {
+      rows(q, m_in, [&](int64_t i0, int64_t i1) {
+        team_linear<T>(in, gate_up, gu_rows, m_in, i0, i1);
+        team_linear<T>(in, gate_up, gu_rows, m_in, I + i0, I + i1);
+        for (int64_t m = 0; m < m_in; ++m)
+          silu_row<T>(gu_rows + m * 2 * I, gu_rows + m * 2 * I + I, act_rows + m * I, i0, i1);
+      });
     };
     if (!L.router.defined()) {
-      up(x, M, L.gate_up, gu, act);
+      up(x, M, L.gate_up, gu, act, J.rows_of(li, kUpRows));
       if (!bar.wait()) return;
-      team_linear<T>(act, L.down, d, M, h0, h1);
+      rows(J.rows_of(li, kDownRows), M, [&](int64_t r0, int64_t r1) { team_linear<T>(act, L.down, d, M, r0, r1); });
       if (!bar.wait()) return;
       for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
       continue;
@@ -1043,7 +1127,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       const int64_t ne = static_cast<int64_t>(slots[e].size());
       if (ne == 0) continue;
       for (int64_t i = 0; i < ne; ++i) std::memcpy(xe + i * H, x + slots[e][i] / k * H, sizeof(T) * H);
-      up(xe, ne, expert_linear(L.gate_up, e), gu + off * 2 * I, act + off * I);
+      up(xe, ne, expert_linear(L.gate_up, e), gu + off * 2 * I, act + off * I, J.rows_of(li, kPhases + e));
       off += ne;
     }
     if (!bar.wait()) return;
@@ -1051,7 +1135,10 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     for (int64_t e = 0; e < L.experts; ++e) {
       const int64_t ne = static_cast<int64_t>(slots[e].size());
       if (ne == 0) continue;
-      team_linear<T>(act + off * I, expert_linear(L.down, e), ys + off * H, ne, h0, h1);
+      const TeamLinear down = expert_linear(L.down, e);
+      rows(J.rows_of(li, kPhases + J.E + e), ne, [&](int64_t r0, int64_t r1) {
+        team_linear<T>(act + off * I, down, ys + off * H, ne, r0, r1);
+      });
       off += ne;
     }
     if (!bar.wait()) return;
@@ -1069,29 +1156,29 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     if (t == 0) std::memcpy(J.out, h, sizeof(T) * M * H);
     return;
   }
-  // the final norm (every thread on its own copy) and this thread's vocabulary rows of the LM head: what
+  // the final norm (every thread on its own copy) and this thread's runs of vocabulary rows of the LM head: what
   // compute_logits runs (rms_norm, the linear in T, then float32), without leaving the region
   for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(J.final_norm), J.final_eps, x + m * H, H);
   const int64_t V = J.head.O;
-  auto [v0, v1] = share(V, t, n);
   T* y = static_cast<T*>(J.head_out);
-  team_linear<T>(x, J.head, y, M, v0, v1);
-  if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t v = v0; v < v1; ++v) J.logits[m * V + v] = to_f(y[m * V + v]);
-  }
-  // the greedy token's search over this thread's share while it is in this core's cache (combined after the
-  // region); the sampler would otherwise read every logit back from both cores
-  if (J.row_max != nullptr) {
-    for (int64_t m = 0; m < M; ++m) {
-      RowMax r{-1, 0.f, false};  // an empty share
-      if (v1 > v0) {
-        r = first_max(J.logits + m * V + v0, v1 - v0);
-        r.idx += v0;
-      }
-      J.row_max[t * M + m] = r;
+  if (J.row_max != nullptr)
+    for (int64_t m = 0; m < M; ++m) J.row_max[t * M + m] = RowMax{-1, 0.f, false};  // none searched yet
+  rows(J.head_rows(), M, [&](int64_t v0, int64_t v1) {
+    team_linear<T>(x, J.head, y, M, v0, v1);
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t v = v0; v < v1; ++v) J.logits[m * V + v] = to_f(y[m * V + v]);
     }
-  }
+    // the greedy token's search over these rows while they are in this core's cache (combined after the
+    // region); the sampler would otherwise read every logit back from both cores
+    if (J.row_max != nullptr) {
+      for (int64_t m = 0; m < M; ++m) {
+        RowMax r = first_max(J.logits + m * V + v0, v1 - v0);
+        r.idx += v0;
+        J.row_max[t * M + m] = first_of(J.row_max[t * M + m], r);
+      }
+    }
+  });
 }
 
 // A linear the team can run: the kernel linear_any would pick for up to out.max_m rows (small_linear's rows,
@@ -1134,6 +1221,31 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
 
 std::atomic<int64_t> team_runs{0};  // decode steps the team ran (the tests check that it did)
 int64_t decode_team_runs() { return team_runs.load(); }
+
+// take_rows as the team runs it, for the tests: `threads` threads share `count` rows in `shares` shares (more
+// shares than threads: threads that never came), claiming `run` rows at a time; with `late`, thread 1 starts only
+// once thread 0 has returned (a core that stalls: thread 0 must have run every share). Returns [threads, count]:
+// how many times each thread ran each row.
+at::Tensor take_rows_trace(int64_t count, int64_t threads, int64_t shares, int64_t run, bool late) {
+  TORCH_CHECK(count >= 0 && count < (int64_t{1} << 31) && threads >= 1 && shares >= threads && run > 0 && run % 8 == 0,
+              "take_rows_trace: bad arguments");
+  std::unique_ptr<RowShare[]> q(new RowShare[shares]);
+  reset_rows(q.get(), count, static_cast<int>(shares));
+  at::Tensor ran = at::zeros({threads, count}, at::kInt);
+  int32_t* r = ran.data_ptr<int32_t>();
+  std::atomic<bool> first_done{false};
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int t = omp_get_thread_num();
+    if (late && t == 1)
+      while (!first_done.load(std::memory_order_acquire)) std::this_thread::yield();
+    take_rows(q.get(), static_cast<int>(shares), t, run, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0; i < r1; ++i) ++r[t * count + i];
+    });
+    if (t == 0) first_done.store(true, std::memory_order_release);
+  }
+  return ran;
+}
 
 // The part of a decode step that stays the same from step to step -- the model's weights, the KV caches, the
 // shapes -- checked once and kept (torch.classes.litellm_pipeline_cpu.DecodePlan): a step then passes only its
@@ -1441,6 +1553,22 @@ struct DecodePlan : torch::CustomClassHolder {
       }
     std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[n]());
     J.attn_next = attn_next.get();
+    // every projection's rows, one share per thread asked for
+    std::unique_ptr<RowShare[]> row_q(new RowShare[(static_cast<int64_t>(n) * (kPhases + 2 * J.E) + 1) * nt]);
+    J.row_q = row_q.get();
+    J.row_shares = nt;
+    for (size_t l = 0; l < n; ++l) {
+      const TeamLayer& L = J.layers[l];
+      reset_rows(J.rows_of(l, kQkvRows), L.qkv.O, nt);
+      reset_rows(J.rows_of(l, kORows), H, nt);
+      reset_rows(J.rows_of(l, kUpRows), L.down.K, nt);
+      reset_rows(J.rows_of(l, kDownRows), H, nt);
+      for (int64_t e = 0; e < L.experts; ++e) {
+        reset_rows(J.rows_of(l, kPhases + e), L.down.K, nt);
+        reset_rows(J.rows_of(l, kPhases + J.E + e), H, nt);
+      }
+    }
+    if (to_logits) reset_rows(J.head_rows(), J.head.O, nt);
     J.out = out.data_ptr();
     SpinBarrier bar;
     std::exception_ptr err;
@@ -1474,18 +1602,10 @@ struct DecodePlan : torch::CustomClassHolder {
     at::Tensor idx = at::empty({M}, J.opts.dtype(at::kLong));
     int64_t* ip = idx.data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
-      const RowMax* best = nullptr;
-      for (int th = 0; th < team; ++th) {
-        const RowMax& r = row_max[th * M + m];
-        if (r.idx < 0) continue;
-        if (r.nan) {
-          best = &r;
-          break;
-        }
-        if (best == nullptr || r.val > best->val) best = &r;
-      }
-      TORCH_CHECK(best != nullptr, "decode_layers: no thread searched row ", m, " of the logits");
-      ip[m] = best->idx;
+      RowMax best{-1, 0.f, false};
+      for (int th = 0; th < team; ++th) best = first_of(best, row_max[th * M + m]);
+      TORCH_CHECK(best.idx >= 0, "decode_layers: no thread searched row ", m, " of the logits");
+      ip[m] = best.idx;
     }
     return {out, idx};
   }
@@ -1625,6 +1745,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("native_bf16_gemm", &native_bf16_gemm);
   m.def("native_fp16_gemm", &native_fp16_gemm);
   m.def("decode_team_runs", &decode_team_runs);
+  m.def("take_rows_trace", &take_rows_trace);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor w, float eps) -> (Tensor, Tensor)");
