@@ -18,14 +18,42 @@ __all__ = ["ChoiceState", "TokenText", "usage", "completion_body", "chat_body", 
 
 
 class TokenText:
-    """Each token id's own text (special tokens included), as logprobs show it; memoised per id."""
+    """Each token id's text as logprobs show it (special tokens included), memoised per id: as it reads after
+    other text (``token_text(i)``), or at the start of a text (``token_text.at_start(i)``, for a completion's
+    first token: the engine's text is ``decode(output_ids)``). A sentencepiece word token ("▁world") reads
+    " world" after other text, but its decoder drops the space at the start; so a token is decoded after an
+    anchor token (one that reads as a single letter or digit) and the anchor's text cut off. Byte-level tokens
+    read the same either way. A completion's tokens so join to its text."""
 
     def __init__(self, tok: Tokenizer):
-        self._text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(
-            lambda i: tok.decode([i], skip_special_tokens=False))
+        anchor = _anchor(tok)
+        alone = lru_cache(maxsize=1 << 16)(lambda i: tok.decode([i], skip_special_tokens=False))
+
+        def after_text(i: int) -> str:
+            if anchor is None:
+                return alone(i)
+            head, head_text = anchor
+            both = tok.decode([head, i], skip_special_tokens=False)
+            return both[len(head_text):] if both.startswith(head_text) else alone(i)
+
+        self.at_start: Callable[[int], str] = alone
+        self._text: Callable[[int], str] = lru_cache(maxsize=1 << 16)(after_text)
 
     def __call__(self, token_id: int) -> str:
         return self._text(token_id)
+
+
+def _anchor(tok: Tokenizer) -> tuple[int, str] | None:
+    """A token id that is its text alone (one letter or digit) and that text; None if the vocabulary has none."""
+    for ch in "a0x":
+        try:
+            ids = tok.encode(ch, add_special_tokens=False)
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: try the next
+            continue
+        for i in ids:  # "a" may encode as a word start ("▁a") or as "▁" then "a"
+            if tok.decode([i], skip_special_tokens=False) == ch:
+                return i, ch
+    return None
 
 
 @dataclass
@@ -55,7 +83,8 @@ class ChoiceState:
             return out.delta_text, None
         # out.logprobs is the request's whole (growing) list: this delta's tokens are its tail
         start = len(out.token_ids) - len(out.delta_token_ids)
-        entries = [self._entry(t, out.logprobs[start + k], token_text) for k, t in enumerate(out.delta_token_ids)]
+        entries = [self._entry(t, out.logprobs[start + k], token_text.at_start if start + k == 0 else token_text)
+                   for k, t in enumerate(out.delta_token_ids)]
         if self.chat:
             self.content += entries
             return out.delta_text, {"content": entries}

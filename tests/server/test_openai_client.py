@@ -132,6 +132,30 @@ def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
     assert (token, lp) == ("a", -0.1) and top == {"a": -0.1, "\ufffd": -1.0, "b": -3.0}
 
 
+def test_logprob_tokens_read_as_in_the_text_with_sentencepiece_word_starts():
+    """A sentencepiece word token's logprob text keeps the space it reads with after other text (" world"),
+    where decoding it alone drops it; a completion's first token reads as at the start of a text, as the engine's
+    text (decode of the output ids) has it, so the token texts join to the text the detokenizer streams.
+    Specials, lone bytes and byte-level tokens read as before."""
+    from test_tokenizer import sentencepiece_tokenizer
+
+    from litellm_pipeline.server.responses import TokenText
+    from litellm_pipeline.tokenizer import IncrementalDetokenizer, build_byte_tokenizer
+
+    tok = sentencepiece_tokenizer()
+    text_of = TokenText(tok)
+    ids = tok.encode("hello world, hi!", add_special_tokens=False)
+    assert [text_of(i) for i in ids] == [" hell", "o", " wor", "ld", ",", " h", "i", "!"]
+    assert [tok.decode([i]) for i in ids][0] == "hell"  # alone: no space
+    detok = IncrementalDetokenizer(tok, tok.encode("hi"))
+    streamed = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert text_of.at_start(ids[0]) + "".join(text_of(i) for i in ids[1:]) == streamed == "hello world, hi!"
+    assert (text_of(1), text_of(2), text_of(3 + 0xE2)) == ("<s>", "</s>", "\ufffd")
+    byte_tok = build_byte_tokenizer()
+    byte_text = TokenText(byte_tok)
+    assert [byte_text(i) for i in byte_tok.encode(" a b", add_special_tokens=False)] == [" ", "a", " ", "b"]
+
+
 def test_models_list(demo_server):
     (model,) = demo_server.openai().models.list().data
     assert model.id == "demo" and model.owned_by == "litellm_pipeline"
