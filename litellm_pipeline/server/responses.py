@@ -46,11 +46,8 @@ class TokenText:
 def _anchor(tok: Tokenizer) -> tuple[int, str] | None:
     """A token id that is its text alone (one letter or digit) and that text; None if the vocabulary has none."""
     for ch in "a0x":
-        try:
-            ids = tok.encode(ch, add_special_tokens=False)
-        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: try the next
-            continue
-        for i in ids:  # "a" may encode as a word start ("▁a") or as "▁" then "a"
+        # "a" may encode as a word start ("▁a") or as "▁" then "a"
+        for i in tok.encode(ch, add_special_tokens=False):
             if tok.decode([i], skip_special_tokens=False) == ch:
                 return i, ch
     return None
