@@ -146,7 +146,7 @@ def test_logprob_tokens_read_as_in_the_text_with_sentencepiece_word_starts():
     text_of = TokenText(tok)
     ids = tok.encode("hello world, hi!", add_special_tokens=False)
     assert [text_of(i) for i in ids] == [" hell", "o", " wor", "ld", ",", " h", "i", "!"]
-    assert [tok.decode([i]) for i in ids][0] == "hell"  # alone: no space
+    assert tok.decode([ids[0]]) == "hell"  # alone: no space
     detok = IncrementalDetokenizer(tok, tok.encode("hi"))
     streamed = "".join(detok.add(i) for i in ids) + detok.flush()
     assert text_of.at_start(ids[0]) + "".join(text_of(i) for i in ids[1:]) == streamed == "hello world, hi!"
