@@ -8,6 +8,7 @@ files, so prompts and decoded text match the oracle without importing it.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -255,6 +256,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0  # window start: first token whose text is not yet known to be final context
         self._read_offset = 0  # tokens before this have been emitted
+        # of the text the last add() returned, how many characters came from tokens held back before it (a
+        # byte that was not yet a whole character): the new token's own text starts that far into it
+        self.last_lead = 0
 
     def add(self, token_id: int) -> str:
         """Append one generated token and return the newly completed text (possibly "")."""
@@ -276,11 +280,15 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         ids = self.output_ids
+        self.last_lead = 0
         prefix_text = self._tok.decode(ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = self._tok.decode(ids[self._prefix_offset:], self._skip)
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
             return ""
         delta = new_text[len(prefix_text):]
+        if not final and self._read_offset < len(ids) - 1:  # held tokens come out with this one
+            held = self._tok.decode(ids[self._prefix_offset:-1], self._skip)[len(prefix_text):]
+            self.last_lead = len(os.path.commonprefix([held, delta]))
         self._prefix_offset, self._read_offset = self._read_offset, len(ids)
         self.text += delta
         return delta

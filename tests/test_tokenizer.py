@@ -133,6 +133,25 @@ def test_sentencepiece_streaming_byte_fallback_waits_for_whole_character():
     assert deltas == ["", "a", " ", "", "", "你"]
 
 
+def test_streaming_says_where_a_token_after_held_bytes_starts():
+    """A byte that is no whole character is held back and comes out with the next token's text; `last_lead`
+    says how much of that text is the held bytes', so the next token's offset (what the emit stage records)
+    points at its own text, not at the held bytes. Held bytes keep the start of their run."""
+    tok = sentencepiece_tokenizer()
+    cases = [(["!", "<0xBD>", "ld", "w", "<0xE4>", "h"], "!\ufffdldw\ufffdh", [0, 1, 2, 4, 5, 6]),
+             (["<0xF8>", "<0x3B>", "<0xE7>", "x"], "\ufffd\ufffd\ufffdx", [0, 0, 0, 3]),
+             (["▁", "a", "▁", "<0xE4>", "<0xBD>", "<0xA0>", "b"], "a 你b", [0, 0, 1, 2, 2, 2, 3])]
+    for pieces, text, offsets in cases:
+        detok = IncrementalDetokenizer(tok, [1])
+        got = []
+        for i in [tok._tok.token_to_id(p) for p in pieces]:
+            before = len(detok.text)
+            detok.add(i)
+            got.append(min(before + detok.last_lead, len(detok.text)))
+        detok.flush()
+        assert (detok.text, got) == (text, offsets), pieces
+
+
 def test_streaming_skips_special_tokens_like_decode():
     tok = sentencepiece_tokenizer()
     ids = tok.encode("hello", add_special_tokens=False) + [2] + tok.encode("world 🙂", add_special_tokens=False)

@@ -39,7 +39,9 @@ class Emit(Stage):
             for f in filters:
                 if self._filter(f, req):
                     reason = "stop"
-            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, prev_len))
+            # where the token's own text starts: after what came out with it from tokens held back before it
+            at = min(prev_len + req.detokenizer.last_lead, len(req.text))
+            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, at))
         ctx.emissions = out
 
     @staticmethod

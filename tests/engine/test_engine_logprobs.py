@@ -56,17 +56,22 @@ def test_logprobs_sampled_and_zero(llama):
 
 
 def test_text_offsets_say_where_each_token_s_text_starts(llama):
-    """With logprobs, ``text_offsets[k]`` is the length of the text before token k: what the streaming
-    detokenizer made of the tokens before it (a character split across tokens starts at its first byte)."""
+    """With logprobs, ``text_offsets[k]`` is where token k's text starts: the length of what the streaming
+    detokenizer made of the tokens before it, plus what came out with token k from bytes held back before it (a
+    character split across tokens starts at its first byte, the token after it after it)."""
     from litellm_pipeline.tokenizer import IncrementalDetokenizer
 
+    leads = []
     for seed in (93, 94):
         prompt = random_prompts([11], seed=seed)[0]
         out = alone(llama, prompt, greedy(24, logprobs=0))
         detok, text, want = IncrementalDetokenizer(llama.tokenizer, prompt), "", []
         for t in out.token_ids:
-            want.append(len(text))
+            before = len(text)
             text += detok.add(t)
+            want.append(min(before + detok.last_lead, len(text)))
+            leads.append(detok.last_lead)
         assert out.text_offsets == want and out.text == text + detok.flush()
+    assert any(leads)  # these outputs have tokens that come out after held bytes
     assert alone(llama, prompt, greedy(3)).text_offsets is None  # only with logprobs
     assert_pool_empty(llama)
