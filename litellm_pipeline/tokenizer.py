@@ -263,6 +263,7 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one generated token and return the newly completed text (possibly "")."""
         self.output_ids.append(token_id)
+        self.last_lead = 0
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -280,7 +281,6 @@ class IncrementalDetokenizer:
 
     def _emit(self, final: bool) -> str:
         ids = self.output_ids
-        self.last_lead = 0
         prefix_text = self._tok.decode(ids[self._prefix_offset:self._read_offset], self._skip)
         new_text = self._tok.decode(ids[self._prefix_offset:], self._skip)
         if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):

@@ -136,7 +136,8 @@ def test_sentencepiece_streaming_byte_fallback_waits_for_whole_character():
 def test_streaming_says_where_a_token_after_held_bytes_starts():
     """A byte that is no whole character is held back and comes out with the next token's text; `last_lead`
     says how much of that text is the held bytes', so the next token's offset (what the emit stage records)
-    points at its own text, not at the held bytes. Held bytes keep the start of their run."""
+    points at its own text, not at the held bytes; a last token's too, after the flush that ends the request.
+    Held bytes keep the start of their run."""
     tok = sentencepiece_tokenizer()
     cases = [(["!", "<0xBD>", "ld", "w", "<0xE4>", "h"], "!\ufffdldw\ufffdh", [0, 1, 2, 4, 5, 6]),
              (["<0xF8>", "<0x3B>", "<0xE7>", "x"], "\ufffd\ufffd\ufffdx", [0, 0, 0, 3]),
@@ -144,11 +145,13 @@ def test_streaming_says_where_a_token_after_held_bytes_starts():
     for pieces, text, offsets in cases:
         detok = IncrementalDetokenizer(tok, [1])
         got = []
-        for i in [tok._tok.token_to_id(p) for p in pieces]:
+        ids = [tok._tok.token_to_id(p) for p in pieces]
+        for k, i in enumerate(ids):
             before = len(detok.text)
             detok.add(i)
+            if k == len(ids) - 1:
+                detok.flush()  # the request ends with this token
             got.append(min(before + detok.last_lead, len(detok.text)))
-        detok.flush()
         assert (detok.text, got) == (text, offsets), pieces
 
 
