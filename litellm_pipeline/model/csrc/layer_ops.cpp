@@ -942,7 +942,7 @@ inline TeamLinear expert_linear(const TeamLinear& stack, int64_t e) {
   return l;
 }
 
-// this thread's part [o0, o1) of n: runs of 8 rows (the blocks small_linear's threads take)
+// thread t's starting share [o0, o1) of n (see take_rows): runs of 8 rows (the blocks small_linear's threads take)
 inline std::pair<int64_t, int64_t> share(int64_t count, int t, int n) {
   const int64_t blocks = (count + 7) / 8;
   return {std::min(count, blocks * t / n * 8), std::min(count, blocks * (t + 1) / n * 8)};
@@ -1467,6 +1467,8 @@ struct DecodePlan : torch::CustomClassHolder {
   std::mutex mu;
   at::Tensor scratch, arange;
   std::vector<RowMax> row_max;
+  std::unique_ptr<RowShare[]> row_q;  // every projection's row shares (TeamJob::row_q), kept across steps
+  int64_t row_q_size = 0;
   struct Bufs {
     void *qkv, *attn, *a, *d, *gu, *act, *priv, *ys, *h_in, *cos, *sin;
     int64_t* slots;
@@ -1554,7 +1556,8 @@ struct DecodePlan : torch::CustomClassHolder {
     std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[n]());
     J.attn_next = attn_next.get();
     // every projection's rows, one share per thread asked for
-    std::unique_ptr<RowShare[]> row_q(new RowShare[(static_cast<int64_t>(n) * (kPhases + 2 * J.E) + 1) * nt]);
+    const int64_t shares = (static_cast<int64_t>(n) * (kPhases + 2 * J.E) + 1) * nt;
+    if (row_q_size < shares) row_q.reset(new RowShare[shares]), row_q_size = shares;
     J.row_q = row_q.get();
     J.row_shares = nt;
     for (size_t l = 0; l < n; ++l) {
