@@ -86,12 +86,14 @@ class TorchLayerOps:
         return route_tokens(self.linear(x, gate), native_k, normalize, plan)
 
 
-# Most rows for which the small-M linear kernel runs, per dtype. Measured against torch's GEMM (MKL / oneDNN)
-# on 768x2304, 768x4096 and 2048x768 weights with 2 threads: float32 is 1.05-1.25x faster at 1-3 rows,
-# 1.5-2.2x at 4-8, 1.1-1.5x at 16, about even at 32-64 and slower beyond; bfloat16 (where torch uses AMX
-# tiles from a few rows on) wins at 1-2 rows, where it reads half the bytes at the same bandwidth. These are the
-# limits on a CPU with native bfloat16 products; see small_linear_limits for the others.
-SMALL_LINEAR_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 2}
+# Most rows for which the small-M linear kernel runs, per dtype, on a CPU with native 16-bit products. Measured
+# against torch's GEMM (MKL / oneDNN) on 768x2304, 768x4096 and 2048x768 weights with 2 threads: float32 is
+# 1.05-1.25x faster at 1-3 rows, 1.5-2.2x at 4-8, 1.1-1.5x at 16, about even at 32-64 and slower beyond.
+# bfloat16 (vdpbf16ps products, against torch on AMX tiles; 2304x768, 4096x768, 768x2048 and 32000x768 weights on
+# a 2-core Xeon, Sapphire Rapids) 1.5-3.7x faster at 1-2 rows, 1.3-1.6x at 3, 1.1-1.3x at 4, 0.6-0.7x at 8;
+# float16 (widened in registers, against torch on AVX-512 FP16; same shapes and CPU) 1.5-2.3x faster at 1 row,
+# 1.3-2.1x at 4, 1.0-1.4x at 8, 0.5-0.8x at 16.
+SMALL_LINEAR_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 8}
 # Without native 16-bit products (AVX2 CPUs, AVX-512 without BF16/FP16) torch's 16-bit GEMM is slow at every row
 # count (on a 2-core AMD EPYC with AVX2: 1x at 1 row, 3-5x slower than float32 from 8 rows on). The kernel (16-bit
 # weights widened in registers, half the bytes of float32) beats it everywhere and beats torch's float32 GEMM up to

@@ -242,6 +242,8 @@ def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
         model.fused_decode_layers = spy(model.fused_decode_layers)
         model.decode_tokens = spy(model.decode_tokens)
         prompts = PROMPTS[:6] if model.cfg.is_moe else [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
+        # no more rows than the whole-model call takes on this CPU (its float router's kernel limit for the dtype)
+        prompts = prompts[: model.ops.max_rows[getattr(torch, dtype)]]
         assert _run(fused, prompts) == _run(plain, prompts)
         assert ran and all(ran)
 
