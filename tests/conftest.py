@@ -52,3 +52,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which CPU kernel paths this session ran: the native build's (where it was loaded) and each build of
+    tests/model/test_kernel_builds.py, with the reason for any this CPU could not run."""
+    from litellm_pipeline.model import cpu_kernels
+
+    lines = []
+    ns = cpu_kernels.loaded()
+    if ns is not None:
+        lines.append(f"{cpu_kernels.isa()} build: vector kernels {ns.simd_isa()}, bfloat16 row_linear "
+                     f"{ns.row_linear_path()}, native bf16/fp16 products {ns.native_bf16_gemm()}/{ns.native_fp16_gemm()}")
+    mark = "test_kernel_tests_pass_on_every_build_this_cpu_runs["
+    for outcome in ("passed", "failed", "skipped"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if mark not in rep.nodeid or (rep.when != "call" and outcome != "skipped"):
+                continue
+            isa = rep.nodeid.split(mark, 1)[1].rstrip("]")
+            why = f": {rep.longrepr[2]}" if outcome == "skipped" and isinstance(rep.longrepr, tuple) else ""
+            lines.append(f"{cpu_kernels.ISA_ENV}={isa} {outcome}{why}")
+    if lines:
+        terminalreporter.write_sep("-", "CPU kernel paths tested")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -4,6 +4,10 @@ One extension holds every op (namespace ``torch.ops.litellm_pipeline_cpu``): the
 ``cpu_paged`` and the fused layer ops of ``layer_ops: cpu_fused``. It is compiled once per machine into the
 user cache (``-march=native`` where the CPU can be named, else a generic build) and reused afterwards.
 Callers decide what to do when it cannot be built: every user of these ops has a torch fallback.
+
+``LITELLM_PIPELINE_CPU_ISA`` builds the kernels for a smaller instruction set than the CPU's own (one of
+:data:`ISAS`), so a CPU with more features runs, and the tests check, the code a CPU with fewer runs; it is read
+once per process (the ops of one process come from one build).
 """
 
 from __future__ import annotations
@@ -17,10 +21,29 @@ from pathlib import Path
 
 import torch
 
+from litellm_pipeline.errors import ConfigError
+
 _CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp"))
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 NAMESPACE = "litellm_pipeline_cpu"
+
+ISA_ENV = "LITELLM_PIPELINE_CPU_ISA"
+# x86-64-v3 (AVX2, FMA, F16C and the bit ops the compiler may use with them) and x86-64-v4 (AVX-512 F/BW/CD/DQ/VL)
+# as /proc/cpuinfo names their features (abm: lzcnt)
+_V3 = ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
+_V4 = (*_V3, "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+# The builds LITELLM_PIPELINE_CPU_ISA can ask for, fewest features first: (compiler flags, CPU features needed).
+# Each is a kernel path some CPUs take natively: generic (no vector kernels: the torch ops), avx2 (AMD Zen 2/3,
+# Intel Haswell..Alder Lake), avx512 (Skylake-SP..Ice Lake: widened 16-bit values), avx512_bf16 (AMD Zen 4/5:
+# vdpbf16ps for bfloat16). "native" (the default) is -march=native: on Sapphire Rapids and later AMX tiles and
+# AVX-512 FP16 too.
+ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "generic": ((), ()),
+    "avx2": (("-march=x86-64-v3",), _V3),
+    "avx512": (("-march=x86-64-v4",), _V4),
+    "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16"), (*_V4, "avx512_bf16")),
+}
 
 _lock = threading.Lock()
 _ops = None  # the loaded namespace
@@ -34,6 +57,41 @@ def extension_dir() -> Path:
         return Path(env)
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "litellm_pipeline" / "torch_extensions"
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(val.split())
+    return frozenset()
+
+
+def missing_features(isa: str) -> list[str]:
+    """The CPU features build ``isa`` needs that this CPU lacks (empty: it can run it)."""
+    have = cpu_flags()
+    return [f for f in ISAS[isa][1] if f not in have]
+
+
+def isa() -> str:
+    """The build this process asks for: ``$LITELLM_PIPELINE_CPU_ISA`` or ``native``; a ConfigError names an
+    unknown value, or the features this CPU lacks for the one asked."""
+    name = os.environ.get(ISA_ENV, "").strip() or "native"
+    if name == "native":
+        return name
+    if name not in ISAS:
+        raise ConfigError(f"{ISA_ENV}={name!r}: unknown kernel build; choose one of native, {', '.join(ISAS)}")
+    if platform.machine() not in ("x86_64", "AMD64") and name != "generic":
+        raise ConfigError(f"{ISA_ENV}={name!r}: x86-64 builds need an x86-64 CPU (this is {platform.machine()})")
+    missing = missing_features(name)
+    if missing:
+        raise ConfigError(f"{ISA_ENV}={name!r}: this CPU lacks {', '.join(missing)} (/proc/cpuinfo flags)")
+    return name
 
 
 def _cpu_key() -> str | None:
@@ -68,6 +126,7 @@ def _source_key() -> str:
     """A short hash of the kernel sources and flags: a build is reused only by code compiled from the same
     sources, so two checkouts (or versions) sharing the cache never rebuild over each other."""
     h = hashlib.sha1(repr(CFLAGS).encode())
+    h.update(torch.__version__.encode())  # a build links against one torch: other versions build their own
     for path in (*SOURCES, *HEADERS):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -103,11 +162,15 @@ def build():
             raise RuntimeError("ninja not found (pip install ninja)") from None
     from torch.utils import cpp_extension
 
-    key = _cpu_key()
     src = _source_key()
-    builds = ([(f"litellm_cpu_kernels_{key}_{src}", ["-march=native"])] if key else []) + [
-        (f"litellm_cpu_kernels_generic_{src}", [])
-    ]
+    forced = isa()
+    if forced != "native":  # only the build asked for: a failure is the answer, not a cue to try another
+        builds = [(f"litellm_cpu_kernels_{forced}_{src}", list(ISAS[forced][0]))]
+    else:
+        key = _cpu_key()
+        builds = ([(f"litellm_cpu_kernels_{key}_{src}", ["-march=native"])] if key else []) + [
+            (f"litellm_cpu_kernels_generic_{src}", [])
+        ]
     for i, (name, arch) in enumerate(builds):
         build_dir = extension_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -129,7 +192,8 @@ def build():
 
 
 def ops():
-    """The op namespace, building it on first use; raises (the same error every time) if it cannot be built."""
+    """The op namespace, building it on first use; raises (the same error every time) if it cannot be built
+    (a ConfigError where ``$LITELLM_PIPELINE_CPU_ISA`` asks for a build this CPU cannot run)."""
     global _ops, _error
     if _ops is not None:
         return _ops

@@ -36,6 +36,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model import cpu_kernels
 from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.moe import route_tokens
@@ -133,6 +134,8 @@ class CpuFusedLayerOps(TorchLayerOps):
         self._upconvert: tuple[torch.dtype, ...] = ()
         try:
             ns = cpu_kernels.ops()
+        except ConfigError:  # a kernel build asked for that this CPU cannot run: said, not worked around
+            raise
         except Exception as exc:  # no compiler, a failed build: run as the torch reference
             warnings.warn(
                 f"layer_ops cpu_fused runs the torch ops: C++ kernels unavailable ({cpu_kernels.reason(exc)})",

@@ -230,22 +230,26 @@ def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
         fused, plain = make(over), make(over)
         _op_by_op(plain)
         model = fused.engine.rt.model
-        ran = []
+        ran = {"layers": [], "tokens": []}
 
-        def spy(whole):  # the whole-model call (from the step's metadata, or its tokens) must run, not decline
+        def spy(whole, calls):  # the whole-model call (from the step's metadata, or its tokens)
             def call(*args, **kw):
                 out = whole(*args, **kw)
-                ran.append(out is not None)
+                calls.append(out is not None)
                 return out
             return call
 
-        model.fused_decode_layers = spy(model.fused_decode_layers)
-        model.decode_tokens = spy(model.decode_tokens)
+        model.fused_decode_layers = spy(model.fused_decode_layers, ran["layers"])
+        model.decode_tokens = spy(model.decode_tokens, ran["tokens"])
         prompts = PROMPTS[:6] if model.cfg.is_moe else [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
         # no more rows than the whole-model call takes on this CPU (its float router's kernel limit for the dtype)
         prompts = prompts[: model.ops.max_rows[getattr(torch, dtype)]]
         assert _run(fused, prompts) == _run(plain, prompts)
-        assert ran and all(ran)
+        # every decode step runs in the one region, straight from its tokens, where the build has vector kernels;
+        # without them the step from its tokens declines and the whole-model call runs op by op in C++
+        team = cpu_kernels.ops().small_linear_supported()
+        assert ran["tokens"] and all(r == team for r in ran["tokens"])
+        assert all(ran["layers"]) and (team or ran["layers"])
 
 
 def test_weights_are_int8_after_build():

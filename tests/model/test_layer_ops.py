@@ -30,6 +30,15 @@ def fused():
     return ops
 
 
+@pytest.fixture(scope="module")
+def team(fused):
+    """The decode team (every layer in one parallel region): part of every vector build (AVX2, AVX-512), not
+    of a generic one (LITELLM_PIPELINE_CPU_ISA=generic, or a CPU without AVX2)."""
+    if not cpu_kernels.ops().small_linear_supported():
+        pytest.skip(f"this kernel build has no vector kernels (simd_isa {cpu_kernels.ops().simd_isa()}): no team")
+    return fused
+
+
 REF = TorchLayerOps()
 
 
@@ -153,7 +162,7 @@ def test_kernel_errors_name_the_problem(fused):
         with pytest.raises(RuntimeError, match="bias must be a contiguous"):
             op.small_linear(torch.randn(1, 8), torch.randn(4, 8), torch.randn(5))
     else:  # a CPU without AVX-512: the kernel says so, and cpu_fused's linear never calls it
-        with pytest.raises(RuntimeError, match="no AVX-512 kernel"):
+        with pytest.raises(RuntimeError, match="has no AVX-512 or AVX2 kernel"):
             op.small_linear(torch.randn(1, 8), torch.randn(4, 8), None)
     with pytest.raises(RuntimeError, match="weight must be"):
         op.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
@@ -227,14 +236,15 @@ def test_fused_decode_equals_op_by_op(arch, dtype, hf_checkpoint, fused):
         team_before = torch.ops.litellm_pipeline_cpu.decode_team_runs()
         outs = llm.generate(prompts, params)
         team_ran = torch.ops.litellm_pipeline_cpu.decode_team_runs() > team_before
-        # the whole-model call runs in one parallel region (qwen2_moe's shared expert has no whole-model call)
-        assert team_ran == (mode == "model" and arch != "qwen2_moe")
+        # the whole-model call runs in one parallel region (qwen2_moe's shared expert has no whole-model call;
+        # a build without vector kernels has no region and runs the call op by op)
+        assert team_ran == (mode == "model" and arch != "qwen2_moe" and cpu_kernels.ops().small_linear_supported())
         runs[mode] = [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
         assert llm.engine.rt.pool.is_empty()
     assert runs["model"] == runs["layer"] == runs["ops"]
 
 
-def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, fused, monkeypatch):
+def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, team, monkeypatch):
     """Requests of different tiers in one step (per-token top-k, per-layer TierSets) stay on the one-call path;
     each gets the tokens it gets alone, and the same tokens as op by op."""
     llm = LLM(model=str(hf_checkpoint("qwen3_moe")), overrides=["+tiers.mix.experts_per_token=[1,4]"])
@@ -373,7 +383,7 @@ def _run_decode_layers(args, team):
      dict(dtype=torch.float32, rows=3, hq=4, hk=2, experts=4, int8=True, limits=True)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
 )
-def test_decode_layers_in_one_parallel_region_is_bit_identical(fused, case, threads):
+def test_decode_layers_in_one_parallel_region_is_bit_identical(team, case, threads):
     """The one-region decode (each thread its share of every projection and of the kv heads, spin barriers
     between) gives the op-by-op calls' hidden states and K/V caches bit for bit, for 1-3 threads, fewer kv heads
     than threads, bias, q/k norm, a sliding window, int8 weights, and MoE blocks with and without TierSet limits."""
@@ -415,7 +425,7 @@ def _plan_run(plan, args, logits):
                                                                    experts=4, limits=True)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
 )
-def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(fused, case, threads):
+def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(team, case, threads):
     """A kept DecodePlan with the final norm and LM head gives, in one region, the float32 logits that the
     op-by-op layers, rms_norm, the linear in the activation dtype and .float() give, bit for bit (an int8 head
     with its scales through the int8 kernel); without `logits` it gives the hidden states."""
@@ -440,7 +450,7 @@ def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(fused
         ref_h = _run_decode_layers(args, False)[0]
     finally:
         torch.set_num_threads(before)
-    x = fused.rms_norm(ref_h, norm, 1e-5)
+    x = team.rms_norm(ref_h, norm, 1e-5)
     if head_s is None:
         ref = torch.ops.litellm_pipeline_cpu.small_linear(x, head, None).float()
     else:
@@ -450,7 +460,7 @@ def test_decode_plan_runs_the_lm_head_in_the_region_as_compute_logits_does(fused
     assert torch.equal(hidden_again, ref_h)
 
 
-def test_decode_plan_says_why_it_cannot_run_a_model(fused):
+def test_decode_plan_says_why_it_cannot_run_a_model(team):
     """A plan over weights the region cannot read (a transposed view) names the weight and declines every step
     (None); a step with more rows than the kernels take is declined too, and the decode_layers op then runs it op
     by op, with the result of the op-by-op call."""
@@ -475,7 +485,7 @@ def test_decode_plan_says_why_it_cannot_run_a_model(fused):
     assert torch.equal(out, _run_decode_layers(few, False)[0])
 
 
-def test_decode_plan_declines_rows_that_are_not_one_per_sequence_in_order(fused):
+def test_decode_plan_declines_rows_that_are_not_one_per_sequence_in_order(team):
     """The region's attention items take row m as sequence m's query. A step whose rows are laid out otherwise
     (here sequences 0 and 1 swapped) is declined, and the decode_layers op runs it op by op with the result of
     the op-by-op call."""
@@ -493,7 +503,7 @@ def test_decode_plan_declines_rows_that_are_not_one_per_sequence_in_order(fused)
     assert _plan_run(_plan_of(args), args, False) is not None  # the same step in order runs in the region
 
 
-def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypatch):
+def test_decode_steps_take_their_logits_from_the_region(hf_checkpoint, monkeypatch, team):
     """In an engine every decode-only step gets its logits (and greedy tokens) from the one-region call, straight
     from its tokens (compute_logits runs for prefill steps only), and the tokens and logprobs equal those of the
     metadata-then-layers-then-compute_logits path with the sampler's own argmax."""
@@ -549,7 +559,7 @@ def _tokens_run(plan, args, tokens, logits, argmax):
      dict(dtype=torch.float32, rows=3, hq=4, hk=2, int8=True, experts=4, limits=True)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
 )
-def test_decode_plan_runs_a_step_from_its_tokens_as_from_its_metadata(fused, case, threads):
+def test_decode_plan_runs_a_step_from_its_tokens_as_from_its_metadata(team, case, threads):
     """run_tokens (the plan embeds the ids, takes the rotary rows at ctx_lens - 1 and the new K/V slots from the
     slot table itself) gives run's logits and K/V caches bit for bit, and each row's argmax as argmax_rows and
     torch's max give it; a step it cannot take (past the rotary tables) is declined with []."""
@@ -600,7 +610,7 @@ def test_take_rows_runs_every_row_once(fused, count, threads, shares):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_region_argmax_takes_the_first_maximum_across_thread_shares(fused, threads):
+def test_region_argmax_takes_the_first_maximum_across_thread_shares(team, threads):
     """The region's argmax combines the threads' vocabulary shares as torch's max does: ties go to the lowest id
     (here the tied rows sit in different threads' shares), and a NaN counts as the maximum (its first one)."""
     args = _decode_step(torch.float32, 3, 4, 2)
@@ -625,7 +635,7 @@ def test_region_argmax_takes_the_first_maximum_across_thread_shares(fused, threa
         torch.set_num_threads(before)
 
 
-def test_run_tokens_names_a_bad_token_or_length_before_the_region(fused):
+def test_run_tokens_names_a_bad_token_or_length_before_the_region(team):
     """run_tokens checks every row before any thread starts: a token id outside the embedding, a context length
     outside the slot table or a new slot outside the caches is an error naming the row and the value, and the
     caches are untouched; the plan then runs the good step."""
@@ -647,7 +657,7 @@ def test_run_tokens_names_a_bad_token_or_length_before_the_region(fused):
     assert len(plan.run_tokens(*tokens, args[12], args[13], [], [], [], False, False)) == 1
 
 
-def test_decode_layers_errors_inside_the_region_end_it(fused):
+def test_decode_layers_errors_inside_the_region_end_it(team):
     """A check that fails on one thread inside the region (a context longer than its slot row, a kv slot out of
     range) ends the region with that error on every thread count, and the next step runs normally."""
     args = _decode_step(torch.float32, 2, 4, 2)
