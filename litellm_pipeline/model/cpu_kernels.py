@@ -59,17 +59,24 @@ def extension_dir() -> Path:
     return Path(cache) / "litellm_pipeline" / "torch_extensions"
 
 
-def cpu_flags() -> frozenset[str]:
-    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+def _cpuinfo() -> dict[str, str]:
+    """The first ``model name`` and ``flags`` lines of /proc/cpuinfo (empty where it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    lines: dict[str, str] = {}
     for line in text.splitlines():
         key, _, val = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(val.split())
-    return frozenset()
+        key = key.strip()
+        if key in ("model name", "flags") and key not in lines:
+            lines[key] = val.strip()
+    return lines
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    return frozenset(_cpuinfo().get("flags", "").split())
 
 
 def missing_features(isa: str) -> list[str]:
@@ -102,16 +109,7 @@ def _cpu_key() -> str | None:
     """
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    lines = {}
-    for line in text.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key in ("model name", "flags") and key not in lines:
-            lines[key] = val.strip()
+    lines = _cpuinfo()
     if "flags" not in lines:
         return None
     return hashlib.sha1(repr(sorted(lines.items())).encode()).hexdigest()[:10]

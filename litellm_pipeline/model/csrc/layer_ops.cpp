@@ -48,8 +48,8 @@
 // AVX-512 BF16 (vdpbf16ps: two bf16 products added into a float32 lane per instruction): every bfloat16 linear
 // of the vector kernels (small_linear, row_linear without AMX, the decode team) runs through it where the CPU has
 // it, so they all share one arithmetic. Measured on a 2-core Xeon (Sapphire Rapids): a one-row bfloat16 linear
-// 1.1-2x faster than widening each value to float32 for an FMA, batch-1 bfloat16 decode 1.25x (llama125m) and
-// 1.27x (mixtral175m) faster.
+// 1.1-2x faster than widening each value to float32 for an FMA, batch-1 bfloat16 decode 1.2-1.4x faster
+// (llama125m, mixtral175m; docs/results/2026-12-04-avx512-bf16.md).
 #if LLP_AVX512 && defined(__AVX512BF16__)
 #define LLP_DPBF16 1
 #else
