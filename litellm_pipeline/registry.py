@@ -1,6 +1,7 @@
 """The registry: every swappable implementation is an entry ``(kind, name) -> object``.
 
-Built-ins register with the :func:`register` decorator when their module is imported. Third-party
+Built-ins register with the :func:`register` decorator when their module is imported; the registry finds
+those modules itself (:func:`builtin_modules`), so a new built-in needs nothing but its decorator. Third-party
 packages add entries through Python entry points, loaded lazily the first time a kind is looked up:
 
 * group ``litellm_pipeline.plugins``: each entry point names a module or a callable; loading it
@@ -26,11 +27,14 @@ Lookups happen only while the pipeline is built, never on the per-token path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import re
 import threading
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from litellm_pipeline.interface_check import conformance_error
@@ -96,31 +100,34 @@ _plugins_loaded = False
 _builtins_loaded = False
 _lock = threading.RLock()
 
-# modules whose import registers the built-in entries
-_BUILTIN_MODULES = (
-    "litellm_pipeline.model.attention",
-    "litellm_pipeline.model.attention_cpu",
-    "litellm_pipeline.model.layer_ops",
-    "litellm_pipeline.model.int8_ops",
-    "litellm_pipeline.model.moe",
-    "litellm_pipeline.routing",
-    "litellm_pipeline.tiers.solvers",
-    "litellm_pipeline.sampling.samplers",
-    "litellm_pipeline.telemetry.bus",
-    "litellm_pipeline.telemetry.prometheus",
-    "litellm_pipeline.engine.scheduler",
-    "litellm_pipeline.engine.fair_scheduler",
-    "litellm_pipeline.engine.kv_policy",
-    "litellm_pipeline.stages",
-)
+# A built-in registers by a line `@register("kind", "name")` at the top level of its module: the modules that
+# hold one are found by reading the package's sources (no list to keep), and imported with the registry -- except
+# those marked with this line, which need an optional package (triton costs seconds to import and is absent from
+# CPU-only installs): they are imported only when a config names one of their entries.
+_REGISTER_LINE = re.compile(r'^@register\(\s*"(\w+)",\s*"([^"]+)"\s*\)', re.MULTILINE)
+LAZY_MARK = "# registry: imported on first use"
 
-# built-in entries whose module is imported only when a config names them (they need an optional package:
-# importing triton costs seconds and is absent from CPU-only installs); kind -> name -> module that registers it
-_LAZY_BUILTINS: dict[str, dict[str, str]] = {
-    "attention": {"triton_paged": "litellm_pipeline.model.triton_attention"},
-    "layer_ops": {"triton": "litellm_pipeline.model.triton_ops"},
-    "moe_dispatch": {"triton_fused": "litellm_pipeline.model.triton_moe"},
-}
+
+@functools.lru_cache(maxsize=1)
+def builtin_modules() -> tuple[tuple[str, ...], dict[str, dict[str, str]]]:
+    """The package's modules that register built-ins: ``(imported with the registry, {kind: {name: module}}
+    imported on first use)``, found by reading the sources."""
+    root = Path(__file__).resolve().parent
+    eager: list[str] = []
+    lazy: dict[str, dict[str, str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        found = _REGISTER_LINE.findall(text)
+        if not found:
+            continue
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if LAZY_MARK in text:
+            for kind, name in found:
+                lazy.setdefault(kind, {})[name] = module
+        else:
+            eager.append(module)
+    return tuple(eager), lazy
 
 
 def check_shape(kind: str, name: str, obj: Any) -> None:
@@ -179,7 +186,7 @@ def _load_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:
         return
-    for mod in _BUILTIN_MODULES:
+    for mod in builtin_modules()[0]:
         importlib.import_module(mod)
     _builtins_loaded = True  # only once all imported: a failed import raises again on the next lookup
 
@@ -375,7 +382,7 @@ def names(kind: str) -> list[str]:
     _check_kind(kind)
     _load_builtins()
     load_plugins()
-    return sorted(set(_entries[kind]) | set(_lazy[kind]) | set(_LAZY_BUILTINS.get(kind, ())))
+    return sorted(set(_entries[kind]) | set(_lazy[kind]) | set(builtin_modules()[1].get(kind, ())))
 
 
 def _unknown(kind: str, name: str) -> RegistryError:
@@ -408,7 +415,7 @@ def get(kind: str, name: str) -> Any:
                 raise RegistryError(f"{kind} {name!r} comes from plugin {ep.value!r}, which failed to load: {exc}") from exc
             _entries[kind][name] = obj
             return obj
-        module = _LAZY_BUILTINS.get(kind, {}).get(name)
+        module = builtin_modules()[1].get(kind, {}).get(name)
         if module is not None:
             try:
                 importlib.import_module(module)  # registers the entry

@@ -334,3 +334,32 @@ def test_state_is_restored_after_plugin_tests():
     assert "fake_good_stage" not in registry.names("stage")
     assert "fake_lazy" not in registry.names("sampler")
     assert "fake_broken" not in registry.broken_plugins()
+
+
+def test_every_builtin_registration_is_found_without_a_list():
+    """Built-ins come through no hand-kept list: every ``@register(kind, name)`` decorator in the package (read
+    here with ast, apart from the registry's own scan) is a known name, and its module is one the registry
+    imports, or imports when a config names the entry (the triton ones)."""
+    import ast
+    from pathlib import Path
+
+    import litellm_pipeline
+
+    root = Path(litellm_pipeline.__file__).resolve().parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            for dec in getattr(node, "decorator_list", ()):
+                func = dec.func if isinstance(dec, ast.Call) else None
+                if func is not None and getattr(func, "id", getattr(func, "attr", None)) == "register":
+                    kind, name = (a.value for a in dec.args)
+                    found.append((module, kind, name))
+    assert len(found) >= 25 and {m for m, _, _ in found} >= {"litellm_pipeline.stages.decode",
+                                                           "litellm_pipeline.model.triton_ops"}
+    eager, lazy = registry.builtin_modules()
+    for module, kind, name in found:
+        assert name in registry.names(kind), (kind, name)
+        assert module in eager or lazy.get(kind, {}).get(name) == module, (module, kind, name)
+    assert not {m for m, _, _ in found if "triton" in m} & set(eager)  # triton stays out of a plain import

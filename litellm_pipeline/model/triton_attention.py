@@ -1,7 +1,7 @@
 """``triton_paged`` attention: the ``sdpa`` contract in three Triton kernels that read the paged KV cache directly.
 
 Select it with ``pipeline.stages.decode.params.attention=triton_paged`` (with ``layer_ops=torch``, or any layer ops
-that call the attention entry). Its module is imported only when a config names it (``registry._LAZY_BUILTINS``).
+that call the attention entry). Its module is imported only when a config names it (``registry.LAZY_MARK``).
 
 Layouts (as the engine hands them over, see :mod:`litellm_pipeline.model.batch`): ``q`` ``[T, Hq, D]`` and
 ``k``/``v`` ``[T, Hk, D]``, possibly strided views of one fused projection (every kernel takes all strides);
@@ -270,6 +270,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
 
 
+# registry: imported on first use (triton takes seconds to import and is absent from CPU-only installs)
 @register("attention", "triton_paged")
 def triton_paged_attention(
     q: torch.Tensor,

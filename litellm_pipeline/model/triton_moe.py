@@ -163,6 +163,7 @@ def align_block_size(flat_idx: torch.Tensor, num_experts: int, num_used: int, bl
     return sorted_ids[:cap], block_expert
 
 
+# registry: imported on first use (triton takes seconds to import and is absent from CPU-only installs)
 @register("moe_dispatch", "triton_fused")
 def triton_fused_dispatch(
     x: torch.Tensor, expert_idx: torch.Tensor, expert_w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ops

@@ -232,6 +232,7 @@ def _quiet_overflow():
     return np.errstate(over="ignore")
 
 
+# registry: imported on first use (triton takes seconds to import and is absent from CPU-only installs)
 @register("layer_ops", "triton")
 class TritonLayerOps(TorchLayerOps):
     """Triton kernels for rms_norm, add_rms_norm, silu_mul and rotary; torch's linear and route."""
