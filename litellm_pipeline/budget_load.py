@@ -18,10 +18,9 @@ import time
 from collections import Counter
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import ConfigError, InvalidRequestError, OverloadedError, format_validation_error
+from litellm_pipeline.errors import InvalidRequestError, OverloadedError, section_settings
 from litellm_pipeline.sampling import SamplingParams
 
 
@@ -48,10 +47,7 @@ class LoadSettings(BaseModel):
 
 
 def load_settings(section: Any) -> LoadSettings:
-    try:
-        return LoadSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid budget_load config:\n" + format_validation_error(exc, "budget_load")) from exc
+    return section_settings(LoadSettings, section, "budget_load")
 
 
 def _prompts(n: int, demo: bool, seed: int) -> list[str]:

@@ -14,11 +14,13 @@ Every path that rejects a request raises one of them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import uuid
 
 import pydantic
+
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 __all__ = [
     "ConfigError",
@@ -220,6 +222,15 @@ def format_validation_error(err: pydantic.ValidationError, prefix: str = "") -> 
     ``"Value error, "`` prefix is dropped); built-in constraint errors are rephrased as ``must be >= 0``.
     """
     return format_error_list(err.errors(), prefix)
+
+
+def section_settings(model: type[M], section: Any, key: str) -> M:
+    """A recipe's config section (``bench``, ``sweep``, ...; None: all defaults) validated as ``model``; a bad
+    value is one ConfigError with a line per problem naming ``key.<field>``."""
+    try:
+        return model.model_validate(section or {})
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"invalid {key} config:\n" + format_validation_error(exc, key)) from exc
 
 
 def format_error_list(errors: list[dict[str, Any]], prefix: str = "") -> str:

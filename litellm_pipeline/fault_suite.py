@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import ConfigError, InvalidRequestError, format_validation_error
+from litellm_pipeline.errors import InvalidRequestError, section_settings
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.stages.base import Stage, StepContext
@@ -48,10 +47,7 @@ class FaultSettings(BaseModel):
 
 
 def fault_settings(section: Any) -> FaultSettings:
-    try:
-        return FaultSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid faults config:\n" + format_validation_error(exc, "faults")) from exc
+    return section_settings(FaultSettings, section, "faults")
 
 
 class FaultInjector(Stage):

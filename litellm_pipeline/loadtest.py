@@ -26,10 +26,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import section_settings
 
 
 class LoadtestSettings(BaseModel):
@@ -51,10 +50,7 @@ class LoadtestSettings(BaseModel):
 
 
 def load_settings(section: Any) -> LoadtestSettings:
-    try:
-        return LoadtestSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid loadtest config:\n" + format_validation_error(exc, "loadtest")) from exc
+    return section_settings(LoadtestSettings, section, "loadtest")
 
 
 @dataclass

@@ -10,10 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict
 
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.sweep import fmt, load_results
 
 
@@ -25,10 +24,7 @@ class ReportSettings(BaseModel):
 
 
 def report_settings(section: Any) -> ReportSettings:
-    try:
-        s = ReportSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid report config:\n" + format_validation_error(exc, "report")) from exc
+    s = section_settings(ReportSettings, section, "report")
     if s.sweep_dir is None:
         raise ConfigError("report.sweep_dir: name the multirun directory of a sweep (report.sweep_dir=multirun/...)")
     return s

@@ -19,10 +19,9 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import ConfigError, section_settings
 
 
 @dataclass(frozen=True)
@@ -88,10 +87,7 @@ class PluginSettings(BaseModel):
 
 
 def plugin_settings(section: Any) -> PluginSettings:
-    try:
-        return PluginSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid plugin config:\n" + format_validation_error(exc, "plugin")) from exc
+    return section_settings(PluginSettings, section, "plugin")
 
 
 def _camel(name: str) -> str:

@@ -24,10 +24,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import ConfigError, InvalidRequestError, format_validation_error
+from litellm_pipeline.errors import ConfigError, InvalidRequestError, section_settings
 from litellm_pipeline.sampling import SamplingParams
 
 TEXT_PROMPTS = (
@@ -49,10 +48,7 @@ class SweepSettings(BaseModel):
 
 
 def sweep_settings(section: Any) -> SweepSettings:
-    try:
-        return SweepSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid sweep config:\n" + format_validation_error(exc, "sweep")) from exc
+    return section_settings(SweepSettings, section, "sweep")
 
 
 def _pct(values: list[float], q: float) -> float | None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import section_settings
 
 
 class _Section(BaseModel):
@@ -78,7 +77,4 @@ class BenchSettings(_Section):
 
 def bench_settings(section: Any) -> BenchSettings:
     """Validate the plain ``bench`` dict; a bad value gives one line per problem naming ``bench.<key>``."""
-    try:
-        return BenchSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid bench config:\n" + format_validation_error(exc, "bench")) from exc
+    return section_settings(BenchSettings, section, "bench")

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from litellm_pipeline.demo.skills import DEFAULT_EVAL_SEED, TASKS, Example, check_tasks, heldout
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.sampling import SamplingParams
 
 
@@ -35,11 +34,9 @@ class EvalSettings(BaseModel):
 
 
 def eval_settings(section: Any) -> EvalSettings:
+    s = section_settings(EvalSettings, section, "eval")
     try:
-        s = EvalSettings.model_validate(section or {})
         check_tasks(s.tasks)
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid eval config:\n" + format_validation_error(exc, "eval")) from exc
     except ValueError as exc:
         raise ConfigError(f"eval.tasks: {exc}") from exc
     return s

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import pydantic
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -29,7 +28,7 @@ from tqdm import tqdm
 from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.demo.skills import Example, check_tasks, heldout, training_stream
 from litellm_pipeline.demo.tokenizer import BOS_ID, EOS_ID, PAD_ID, build_char_tokenizer
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import section_settings
 
 
 class TrainSettings(BaseModel):
@@ -125,10 +124,7 @@ class TrainSettings(BaseModel):
 
 
 def train_settings(section: Any) -> TrainSettings:
-    try:
-        return TrainSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid train config:\n" + format_validation_error(exc, "train")) from exc
+    return section_settings(TrainSettings, section, "train")
 
 
 def encode_batch(examples: list[Example], tokenizer, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pydantic
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
-from litellm_pipeline.errors import ConfigError, format_validation_error
+from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan, SeqAttention
 from litellm_pipeline.sampling import SamplingParams
 
@@ -64,10 +63,7 @@ class CalibrateSettings(BaseModel):
 
 
 def calibrate_settings(section: Any) -> CalibrateSettings:
-    try:
-        s = CalibrateSettings.model_validate(section or {})
-    except pydantic.ValidationError as exc:
-        raise ConfigError("invalid calibrate config:\n" + format_validation_error(exc, "calibrate")) from exc
+    s = section_settings(CalibrateSettings, section, "calibrate")
     if min(s.batch_sizes) < 1:
         raise ConfigError(f"calibrate.batch_sizes: every batch size must be >= 1 (got {s.batch_sizes})")
     return s
