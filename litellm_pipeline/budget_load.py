@@ -72,15 +72,11 @@ def _baseline(engine, prompts: list[str], params: SamplingParams) -> tuple[float
     alone = []
     for p in prompts[:3]:
         t0 = time.perf_counter()
-        req = engine.add_request(p, params, tier=full)
-        while not req.finished:
-            engine.step()
+        engine.run([engine.add_request(p, params, tier=full)])
         alone.append((time.perf_counter() - t0) * 1e3)
     batch = prompts[: min(len(prompts), 16)]
     t0 = time.perf_counter()
-    reqs = [engine.add_request(p, params, tier=full) for p in batch]
-    while not all(r.finished for r in reqs):
-        engine.step()
+    engine.run([engine.add_request(p, params, tier=full) for p in batch])
     rate = len(batch) / (time.perf_counter() - t0)
     return statistics.median(alone[1:] or alone), rate
 

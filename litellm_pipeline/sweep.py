@@ -79,14 +79,9 @@ def _run(engine, prompts, params, tier) -> tuple[list, int, float]:
                 raise
             reqs.append(None)
             rejected += 1
-    done: dict[str, Any] = {}
-    live = [r for r in reqs if r is not None]
-    while len(done) < len(live):
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
+    finished = iter(engine.run([r for r in reqs if r is not None]))
     seconds = time.perf_counter() - t0
-    return [done[r.request_id] if r is not None else None for r in reqs], rejected, seconds
+    return [next(finished) if r is not None else None for r in reqs], rejected, seconds
 
 
 def run_sweep_job(cfg) -> dict:

@@ -64,14 +64,8 @@ def generate(cfg: DictConfig) -> list:
     )
     print(f"model: {label}")
     t0 = time.perf_counter()
-    reqs = [engine.add_request(p, params) for p in prompts]
-    outs = {}
-    while len(outs) < len(reqs):
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o
+    results = engine.run([engine.add_request(p, params) for p in prompts])
     elapsed = time.perf_counter() - t0
-    results = [outs[r.request_id] for r in reqs]
     total_out = sum(len(o.token_ids) for o in results)
     for prompt, r, check in zip(prompts, results, checks):
         verdict = ""
@@ -81,7 +75,7 @@ def generate(cfg: DictConfig) -> list:
         cost = f" cost={r.cost.monetary:.4g}" if r.cost is not None else ""
         print(
             f"[summary] prompt_tokens={len(r.prompt_token_ids)} output_tokens={len(r.token_ids)} "
-            f"finish={r.finish_reason} tier={r.tier}{cost} tokens/s={total_out / elapsed:.1f} (batch of {len(reqs)})"
+            f"finish={r.finish_reason} tier={r.tier}{cost} tokens/s={total_out / elapsed:.1f} (batch of {len(results)})"
         )
     write_metrics(engine)
     return results

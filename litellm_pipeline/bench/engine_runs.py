@@ -10,7 +10,6 @@ from litellm_pipeline.bench.workload import WorkItem, latency_summary, random_id
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.telemetry import MemorySink, PrefixLookup
 
-_MAX_IDLE_STEPS = 1000  # steps that schedule nothing while requests are pending: the engine is stuck
 
 
 def _greedy(n: int) -> SamplingParams:
@@ -20,20 +19,14 @@ def _greedy(n: int) -> SamplingParams:
 def run_requests(engine, items: Sequence[WorkItem], on_finish: Callable[[], None] | None = None) -> list:
     """Submit every item at once (t=0), step until all finish; returns the finished Request objects."""
     reqs = [engine.add_request(list(it.prompt_ids), _greedy(it.output_len)) for it in items]
-    pending = {r.request_id for r in reqs}
-    idle = 0
-    while pending:
-        outs = engine.step()
-        idle = 0 if outs else idle + 1
-        if idle > _MAX_IDLE_STEPS:
-            raise RuntimeError(f"engine made no progress for {idle} steps with {len(pending)} requests pending")
-        for out in outs:
-            if out.finished and out.request_id in pending:
-                if out.error:
-                    raise RuntimeError(f"bench request {out.request_id} failed: {out.error}")
-                pending.discard(out.request_id)
-                if on_finish:
-                    on_finish()
+
+    def finished(out) -> None:
+        if out.error:
+            raise RuntimeError(f"bench request {out.request_id} failed: {out.error}")
+        if on_finish:
+            on_finish()
+
+    engine.run(reqs, on_finish=finished)
     return reqs
 
 

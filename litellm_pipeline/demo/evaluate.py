@@ -45,15 +45,9 @@ def eval_settings(section: Any) -> EvalSettings:
 def run_tier(engine, examples: list[Example], params: SamplingParams, tier: str, bar) -> tuple[list[str], float, int]:
     """Generate for all examples at ``tier`` in one continuous batch: (texts, seconds, output tokens)."""
     t0 = time.perf_counter()
-    reqs = [engine.add_request(ex.prompt, params, tier=tier) for ex in examples]
-    done: dict[str, Any] = {}
-    while len(done) < len(reqs):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-                bar.update(1)
+    outs = engine.run([engine.add_request(ex.prompt, params, tier=tier) for ex in examples],
+                      on_finish=lambda _: bar.update(1))
     seconds = time.perf_counter() - t0
-    outs = [done[r.request_id] for r in reqs]
     return [o.text for o in outs], seconds, sum(len(o.token_ids) for o in outs)
 
 

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -44,6 +44,8 @@ from litellm_pipeline.tokenizer import IncrementalDetokenizer, TokenizerError
 # the longest a step waits for a thread that asked for the lock before it to take it (that thread may be
 # descheduled; then the step goes ahead and the thread gets the lock after it)
 _HANDOFF_WAIT_S = 0.1
+# Engine.run: steps in a row that produce no output while its requests wait before it says the engine is stuck
+_MAX_IDLE_STEPS = 1000
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +321,25 @@ class Engine:
     def _warm_used(self) -> int:
         warm = self.rt.kv.warm  # O(1): slots in use are those an allocation cannot get
         return warm.pool.num_blocks - warm.pool.num_free if warm is not None else 0
+
+    def run(self, requests: Sequence[Request],
+            on_finish: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Step until every one of ``requests`` has finished (others in flight run along); returns their final
+        outputs in the order given. ``on_finish`` sees each final output as its request finishes. Steps that
+        produce nothing for ``_MAX_IDLE_STEPS`` in a row while these wait raise, naming them: never a hang."""
+        pending = {r.request_id for r in requests if not r.finished}
+        idle = 0
+        while pending:
+            outs = self.step()
+            idle = 0 if outs else idle + 1
+            if idle > _MAX_IDLE_STEPS:
+                raise InternalError(f"the engine made no progress for {idle} steps; waiting: {sorted(pending)}")
+            for out in outs:
+                if out.finished and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    if on_finish is not None:
+                        on_finish(out)
+        return [request_output(r) for r in requests]
 
     # ---- control ------------------------------------------------------------------------------------
     def abort(self, request_id: str, refund: bool = False) -> RequestOutput | None:

@@ -165,10 +165,8 @@ def _calibration_sequences(engine, demo: bool, s: CalibrateSettings) -> list[lis
     top = max(engine.rt.tiers.values(), key=lambda t: sum(t.experts_per_layer))
     outs = []
     for p in prompts:
-        req = engine.add_request(p, params, tier=top.name)
-        while not req.finished:
-            engine.step()
-        outs.append(list(req.prompt_ids) + list(req.output_ids))
+        (out,) = engine.run([engine.add_request(p, params, tier=top.name)])
+        outs.append(list(out.prompt_token_ids) + list(out.token_ids))
     return outs
 
 

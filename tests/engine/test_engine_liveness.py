@@ -90,3 +90,36 @@ def test_a_request_that_can_never_be_scheduled_ends_with_the_reason(make_llm):
     assert_pool_empty(llm)
     ok = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))[0]
     assert ok.finish_reason in ("stop", "length") and ok.error is None
+
+
+def test_run_steps_until_its_requests_finish_and_names_them_if_the_engine_stalls(make_llm, monkeypatch):
+    """Engine.run (the tasks' one step loop): final outputs in the order given, as alone, with on_finish seeing
+    each as it finishes, a request finished before the call returned as it is, and others in flight run along;
+    an engine whose steps produce nothing raises naming the requests waiting instead of spinning forever."""
+    from litellm_pipeline.errors import InternalError
+
+    llm = make_llm("llama")
+    engine = llm.engine
+    prompts = random_prompts([9, 4, 13], seed=43)
+    wants = [alone(llm, p, greedy(n)) for p, n in zip(prompts, (6, 2, 9))]
+    early = engine.add_request(prompts[1], greedy(2))
+    while not early.finished:
+        engine.step()
+    other = engine.add_request(prompts[0], greedy(3))
+    reqs = [engine.add_request(prompts[0], greedy(6)), early, engine.add_request(prompts[2], greedy(9))]
+    seen = []
+    outs = engine.run(reqs, on_finish=lambda o: seen.append(o.request_id))
+    assert [o.request_id for o in outs] == [r.request_id for r in reqs]
+    assert [(o.token_ids, o.text, o.finished) for o in outs] == [(w.token_ids, w.text, True) for w in wants]
+    assert sorted(seen) == sorted([reqs[0].request_id, reqs[2].request_id])  # not the one finished before
+    engine.run([other])
+    assert other.finished and len(other.output_ids) == 3
+    assert_pool_empty(llm)
+
+    stuck = engine.add_request(prompts[0], greedy(4))
+    monkeypatch.setattr(engine, "step", lambda: [])
+    with pytest.raises(InternalError, match=rf"no progress for 1001 steps; waiting: \['{stuck.request_id}'\]"):
+        engine.run([stuck])
+    monkeypatch.undo()
+    engine.abort(stuck.request_id)
+    assert_pool_empty(llm)
