@@ -130,9 +130,12 @@ class RotaryEmbedding:
         self.rope_type = params.get("rope_type", "default")
         _check_rope_type(self.rope_type)
         self.head_dim, self.params, self.max_position_embeddings = head_dim, params, max_position_embeddings
-        self.device = torch.device(device if device is not None else "cpu")
+        # the tables live where the model is built (the loader builds it under `with torch.device(...)`), so
+        # positions on a GPU index tables on that GPU
+        self.device = torch.device(device) if device is not None else torch.get_default_device()
         # transformers builds inv_freq at init on the CPU (the config names no device) and only moves it after
-        inv_freq, self.attention_scaling = _inv_freq(head_dim, params, max_position_embeddings)
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = _inv_freq(head_dim, params, max_position_embeddings)
         self.inv_freq = inv_freq.to(self.device)
         self._cos = self._sin = None  # [N, head_dim // 2] float32, already times attention_scaling
         self._full: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}  # [N, head_dim] per dtype asked for

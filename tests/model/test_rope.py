@@ -196,3 +196,17 @@ def test_cuda_matches_transformers(name):
     hf = LlamaRotaryEmbedding(LlamaConfig(**config)).to("cuda")
     hf_cos, hf_sin = hf(torch.zeros(1, 1, device="cuda"), positions[None])
     assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
+
+
+def test_tables_live_on_the_device_the_model_is_built_on():
+    """The loader builds a model under ``with torch.device(...)``: the rotary tables follow it (a GPU model's
+    positions index tables on the GPU), while inv_freq is computed on the CPU first, as transformers does."""
+    from litellm_pipeline.model.rope import RotaryEmbedding
+
+    params = {"rope_type": "default", "rope_theta": 10000.0}
+    cpu = RotaryEmbedding(16, params, 64)
+    with torch.device("meta"):
+        elsewhere = RotaryEmbedding(16, params, 64)
+    assert cpu.device.type == "cpu" and cpu.tables()[0].device.type == "cpu"
+    assert elsewhere.device.type == "meta" and elsewhere.inv_freq.device.type == "meta"
+    assert all(t.device.type == "meta" and t.shape == (64, 16) for t in elsewhere.tables())
