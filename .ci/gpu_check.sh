@@ -22,13 +22,13 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
-timeout 300 python3 -m pytest -q -p no:cacheprovider \
+timeout 180 python3 -m pytest -q -p no:cacheprovider \
   tests/model/test_cuda.py tests/model/test_cuda_graphs.py tests/model/test_expert_offload.py \
-  tests/model/test_triton_layer_ops.py tests/model/test_triton_attention.py tests/model/test_triton_moe.py \
+  tests/model/test_triton_attention.py tests/model/test_rope.py -k "cuda or triton or offload or device" \
   2>&1 | tee "$OUT/gpu_tests.log"
 
-timeout 420 python3 -m litellm_pipeline +recipe=bench device=cuda \
-  'bench.models=[llama125m,mixtral175m]' 'bench.dtypes=[bfloat16]' bench.num_requests=64 \
+timeout "${BENCH_TIMEOUT:-420}" python3 -m litellm_pipeline +recipe=bench device=cuda \
+  'bench.models=[llama125m,mixtral175m]' 'bench.dtypes=[bfloat16]' bench.num_requests="${BENCH_REQUESTS:-64}" \
   bench.peer_single_max_requests=4 bench.prefix_len=1024 'bench.offload=[2,4]' bench.roofline.bandwidth_mb=4096 \
   +bench.engine.pipeline.stages.decode.params.attention=triton_paged \
   +bench.engine.pipeline.stages.decode.params.moe_dispatch=triton_fused \
