@@ -50,7 +50,9 @@ def load_settings(section: Any) -> LoadSettings:
     return section_settings(LoadSettings, section, "budget_load")
 
 
-def _prompts(n: int, demo: bool, seed: int) -> list[str]:
+def workload_prompts(n: int, demo: bool, seed: int) -> list[str]:
+    """``n`` prompts for a load: seeded held-out skill prompts on the demo model, else plain text ones
+    (``+recipe=budget_load`` and ``+recipe=loadtest`` send the same)."""
     if demo:
         from litellm_pipeline.demo.skills import heldout
 
@@ -83,7 +85,7 @@ def _baseline(engine, prompts: list[str], params: SamplingParams) -> tuple[float
 
 def run_load(engine, s: LoadSettings, demo: bool) -> dict:
     params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True)
-    prompts = _prompts(s.requests, demo, s.seed)
+    prompts = workload_prompts(s.requests, demo, s.seed)
     base_ms, full_rate = _baseline(engine, prompts, params)
     rate = s.overload * full_rate
     rng = random.Random(f"budget_load:{s.seed}")

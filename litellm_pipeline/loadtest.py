@@ -86,12 +86,6 @@ def arrivals(s: LoadtestSettings) -> list[float]:
     return out
 
 
-def prompts(n: int, demo: bool, seed: int) -> list[str]:
-    from litellm_pipeline.budget_load import _prompts
-
-    return _prompts(n, demo, seed)
-
-
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -303,7 +297,9 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
     demo = plain["model"].get("path") is None
     times = arrivals(s)
-    texts = prompts(len(times), demo, s.seed)
+    from litellm_pipeline.budget_load import workload_prompts
+
+    texts = workload_prompts(len(times), demo, s.seed)
     result: dict[str, Any] = {"requests": len(times), "rate": s.rate, "max_tokens": s.max_tokens,
                               "slo_ttft_ms": s.slo_ttft_ms, "slo_itl_ms": s.slo_itl_ms}
     server = None if s.url else ServerProcess(server_overrides(overrides), s.startup_timeout_s)
