@@ -1,9 +1,9 @@
-"""The kernel build cache: keyed on the sources, built from copies in the build folder, so two checkouts
-(or two versions) sharing the cache never rebuild over each other."""
+"""The kernel builds: the cache is keyed on the sources and torch's version, built from copies in the build
+folder, so two checkouts (or versions) sharing it never rebuild over each other; LITELLM_PIPELINE_CPU_ISA asks
+for a smaller build by name, only where the CPU has its features, and the loaded build reports its paths."""
 
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
