@@ -3,7 +3,7 @@
 from litellm_pipeline.registry import register
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.tiers.budget import BudgetSpec
+from litellm_pipeline.budget.spec import BudgetSpec
 
 __all__ = ["LLM", "SamplingParams", "RequestSpec", "BudgetSpec", "register", "StreamDelta"]
 __version__ = "0.1.0"

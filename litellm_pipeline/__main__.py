@@ -6,13 +6,13 @@ import os
 import sys
 
 from litellm_pipeline.errors import ConfigError, InvalidValueError, RequestError
-from litellm_pipeline.hydra_config import hydra_main
+from litellm_pipeline.config.compose import hydra_main
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause (a config, a checkpoint, a tokenizer, a request): one line, not a traceback."""
     from litellm_pipeline.model.config import CheckpointError
-    from litellm_pipeline.tokenizer import TokenizerError
+    from litellm_pipeline.text.tokenizer import TokenizerError
 
     return ConfigError, CheckpointError, TokenizerError, RequestError, InvalidValueError
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence, Union
 
 from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.tiers.budget import BudgetSpec
+from litellm_pipeline.budget.spec import BudgetSpec
 
 __all__ = ["RequestSpec", "Prompt", "to_spec"]
 

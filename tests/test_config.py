@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from litellm_pipeline import LLM
-from litellm_pipeline.builder import build_engine
+from litellm_pipeline.config.build import build_engine
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.hydra_config import compose
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.stages.base import Stage
 
 
@@ -47,7 +47,7 @@ def test_tier_asking_for_more_experts_than_the_model_has(hf_checkpoint, monkeypa
     def must_not_load(*a, **k):  # the check is against config.json, before any weight is read
         raise AssertionError("weights were loaded before the tier check")
 
-    monkeypatch.setattr("litellm_pipeline.builder.load_model", must_not_load)
+    monkeypatch.setattr("litellm_pipeline.config.build.load_model", must_not_load)
     path = hf_checkpoint("mixtral")  # 4 experts
     with pytest.raises(ConfigError) as exc:
         _build("tiers.max.experts_per_token=9", model=path)
@@ -138,8 +138,8 @@ def test_cuda_requested_without_a_gpu(tmp_path):
 
 
 def test_tier_spellings_resolve_against_the_checkpoint(hf_checkpoint):
-    from litellm_pipeline.builder import resolve_tiers
-    from litellm_pipeline.config_schema import TierSection
+    from litellm_pipeline.config.build import resolve_tiers
+    from litellm_pipeline.config.schema import TierSection
     from litellm_pipeline.model.loader import load_model_config
 
     mc = load_model_config(hf_checkpoint("mixtral"))  # 4 experts, top-2

@@ -14,7 +14,7 @@ from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.attention import sdpa_paged_attention
 from litellm_pipeline.model.layer_ops import TorchLayerOps
 from litellm_pipeline.model.moe import packed_dispatch
-from litellm_pipeline.routing import TierSetRouter
+from litellm_pipeline.tiers.router import TierSetRouter
 from litellm_pipeline.sampling.samplers import Sampler, SamplerOutput
 from litellm_pipeline.stages.base import Stage
 from litellm_pipeline.telemetry import MemorySink
@@ -22,7 +22,7 @@ from litellm_pipeline.testing import (
     check_attention, check_budget_solver, check_kv_policy, check_layer_ops, check_moe_dispatch, check_router,
     check_sampler, check_scheduler, check_stage, check_telemetry_sink,
 )
-from litellm_pipeline.tiers.solvers import GreedySolver, Solution
+from litellm_pipeline.budget.solvers import GreedySolver, Solution
 
 # every built-in entry, per kind; test_every_builtin_is_listed keeps this in step with the registry
 BUILTINS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from litellm_pipeline.engine.scheduler import FcfsScheduler
-from litellm_pipeline.fault_suite import FaultSettings, run_fault_suite
+from litellm_pipeline.tasks.faults import FaultSettings, run_fault_suite
 
 SLICE = FaultSettings(seed=0, runs=8, ops=60, progress=False)
 
@@ -61,7 +61,7 @@ def test_it_catches_tokens_that_depend_on_the_batch(monkeypatch):
 @pytest.mark.parametrize("bad", [{"runs": 0}, {"ops": -1}, {"nonsense": 1}])
 def test_bad_settings_name_the_key(bad):
     from litellm_pipeline.errors import ConfigError
-    from litellm_pipeline.fault_suite import fault_settings
+    from litellm_pipeline.tasks.faults import fault_settings
 
     with pytest.raises(ConfigError, match="faults."):
         fault_settings(bad)

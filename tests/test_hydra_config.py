@@ -15,7 +15,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from litellm_pipeline.hydra_config import compose, config_dir, known_recipes, recipes_dir
+from litellm_pipeline.config.compose import compose, config_dir, known_recipes, recipes_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_compose_leaves_hydra_state_alone():
 
 _APP = """
 import sys
-from litellm_pipeline.hydra_config import hydra_main
+from litellm_pipeline.config.compose import hydra_main
 def run(cfg):
     print("TASK", cfg.task, "SEED", cfg.seed, flush=True)
 hydra_main(run)()
@@ -162,7 +162,7 @@ def test_installed_wheel_composes_recipes(built_wheel, tmp_path):
     code = textwrap.dedent("""
         import sys
         from pathlib import Path
-        import litellm_pipeline.hydra_config as h
+        import litellm_pipeline.config.compose as h
         site = Path(sys.argv[1]).resolve()
         for p in (h.__file__, h.config_dir(), h.recipes_dir()):
             assert Path(p).resolve().is_relative_to(site), p

@@ -1,4 +1,4 @@
-"""Interfaces per registry kind (litellm_pipeline.interfaces): every kind has a documented protocol, every
+"""Interfaces per registry kind (litellm_pipeline.registry.interfaces): every kind has a documented protocol, every
 built-in satisfies its own, and an object that does not is refused when it is registered, with one message
 naming the kind, the name and what is missing; entry-point plugins are checked the same way."""
 
@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 from fake_dists import write_dist
 
-from litellm_pipeline import interfaces, registry
-from litellm_pipeline.interface_check import conformance_error, instance_error, members
+from litellm_pipeline import registry
+from litellm_pipeline.registry import interfaces
+from litellm_pipeline.registry.conformance import conformance_error, instance_error, members
 from litellm_pipeline.registry import RegistryError
 from litellm_pipeline.stages.base import Stage
 
@@ -85,7 +86,7 @@ def test_built_objects_satisfy_the_runtime_protocols():
     from litellm_pipeline.model.layer_ops import TorchLayerOps
     from litellm_pipeline.sampling.samplers import Sampler
     from litellm_pipeline.telemetry.bus import MemorySink
-    from litellm_pipeline.tiers.solvers import ExactSolver, GreedySolver
+    from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver
 
     for obj, proto in [(LRUPolicy(), interfaces.KVPolicy), (LFUPolicy(), interfaces.KVPolicy),
                        (TorchLayerOps(), interfaces.LayerOps), (Sampler(), interfaces.Sampler),
@@ -266,9 +267,9 @@ class _NoMaxSeqs:
 
 
 def test_builder_refuses_a_scheduler_without_its_attributes(reg):
-    from litellm_pipeline.builder import build_engine
+    from litellm_pipeline.config.build import build_engine
     from litellm_pipeline.errors import ConfigError
-    from litellm_pipeline.hydra_config import compose
+    from litellm_pipeline.config.compose import compose
 
     registry.add("scheduler", "no_max_seqs", _NoMaxSeqs)  # passes registration: attributes exist only when built
     with pytest.raises(ConfigError, match="engine.scheduler: scheduler 'no_max_seqs': the built _NoMaxSeqs lacks "

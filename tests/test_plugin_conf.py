@@ -13,11 +13,11 @@ from fake_dists import write_dist
 from omegaconf import OmegaConf
 
 from litellm_pipeline import registry
-from litellm_pipeline.builder import to_plain
-from litellm_pipeline.config_schema import validate_config
+from litellm_pipeline.config.build import to_plain
+from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.hydra_config import compose
-from litellm_pipeline.plugin_filter import ENV_ALLOW, ENV_DENY
+from litellm_pipeline.config.compose import compose
+from litellm_pipeline.registry.filter import ENV_ALLOW, ENV_DENY
 
 ENTRY_POINTS = """
     [litellm_pipeline.conf]
@@ -109,7 +109,7 @@ def test_environment_deny_removes_the_options(conf_dist, monkeypatch):
 
 
 def test_plugin_option_builds_an_engine_with_the_plugins_solver(conf_dist):
-    from litellm_pipeline.builder import build_engine
+    from litellm_pipeline.config.build import build_engine
 
     engine = build_engine(compose(["+recipe=generate", "budget=fake_budget",
                                    "pipeline.stages.select_tier.params.mode=balanced"]))
@@ -119,7 +119,7 @@ def test_plugin_option_builds_an_engine_with_the_plugins_solver(conf_dist):
 
 
 def test_listing_shows_plugin_options_and_a_missing_config_package(conf_dist):
-    from litellm_pipeline.plugin_listing import collect, render
+    from litellm_pipeline.tasks.plugins import collect, render
 
     listing = collect()
     options = {o["select"]: o for o in listing["config_options"]}

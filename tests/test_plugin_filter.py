@@ -10,7 +10,7 @@ from fake_dists import write_dist
 
 from litellm_pipeline import registry
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.plugin_filter import ENV_ALLOW, ENV_DENY, PluginFilter, env_names
+from litellm_pipeline.registry.filter import ENV_ALLOW, ENV_DENY, PluginFilter, env_names
 
 # -- matching -------------------------------------------------------------------------------------------------
 
@@ -161,8 +161,8 @@ def test_environment_change_applies_at_the_next_build(filter_dist, monkeypatch):
 
 
 def test_config_deny_reaches_the_registry_before_any_lookup(filter_dist):
-    from litellm_pipeline.builder import build_engine
-    from litellm_pipeline.hydra_config import compose
+    from litellm_pipeline.config.build import build_engine
+    from litellm_pipeline.config.compose import compose
 
     # fails at the first lookup, before any weight is read: the denied plugin's policy is unknown
     with pytest.raises(ConfigError) as exc:
@@ -181,9 +181,9 @@ def test_config_deny_reaches_the_registry_before_any_lookup(filter_dist):
     ("+plugins.only=[x]", "plugins.only"),
 ])
 def test_bad_plugins_section_is_one_clear_error(override, text):
-    from litellm_pipeline.builder import to_plain
-    from litellm_pipeline.config_schema import validate_config
-    from litellm_pipeline.hydra_config import compose
+    from litellm_pipeline.config.build import to_plain
+    from litellm_pipeline.config.schema import validate_config
+    from litellm_pipeline.config.compose import compose
 
     with pytest.raises(ConfigError, match=text.replace("[", r"\[").replace("]", r"\]")):
         validate_config(to_plain(compose(["+recipe=generate", override])))

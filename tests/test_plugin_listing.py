@@ -12,7 +12,7 @@ import sys
 import pytest
 from fake_dists import write_dist
 
-from litellm_pipeline.plugin_filter import ENV_ALLOW, ENV_DENY
+from litellm_pipeline.registry.filter import ENV_ALLOW, ENV_DENY
 
 GOOD_MOD = '''
     from litellm_pipeline import registry
@@ -150,7 +150,7 @@ def test_config_allow_and_deny(site, tmp_path):
 
 
 def test_one_line_doc():
-    from litellm_pipeline.plugin_listing import one_line_doc
+    from litellm_pipeline.tasks.plugins import one_line_doc
 
     class Undocumented:
         pass

@@ -25,7 +25,7 @@ def fresh_registry():
         sys.modules.pop(mod, None)
 
 
-# the smallest classes that satisfy their kinds' interfaces (litellm_pipeline.interfaces)
+# the smallest classes that satisfy their kinds' interfaces (litellm_pipeline.registry.interfaces)
 class TinyPolicy:
     def add(self, block): pass
     def remove(self, block): pass

@@ -1,4 +1,4 @@
-"""+recipe=new_plugin (litellm_pipeline.scaffold): every kind's package installs and passes its own tests unchanged;
+"""+recipe=new_plugin (litellm_pipeline.tasks.new_plugin): every kind's package installs and passes its own tests unchanged;
 a bad kind, a bad name and an existing target are refused, naming the key."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.interfaces import INTERFACES
+from litellm_pipeline.registry.interfaces import INTERFACES
 from litellm_pipeline.registry import KINDS as REGISTRY_KINDS
-from litellm_pipeline.scaffold import KINDS, new_plugin, render
+from litellm_pipeline.tasks.new_plugin import KINDS, new_plugin, render
 
 ROOT = Path(__file__).resolve().parents[1]
 

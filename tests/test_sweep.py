@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from litellm_pipeline.report import label, markdown, pareto
+from litellm_pipeline.tasks.report import label, markdown, pareto
 
 QUICK = ["sweep.per_task=2", "sweep.max_tokens=8"]
 
@@ -94,7 +94,7 @@ def test_report_without_a_sweep_dir_names_the_key(tmp_path):
 
 
 def test_results_load_in_job_order_whatever_the_folder_names(tmp_path):
-    from litellm_pipeline.sweep import load_results
+    from litellm_pipeline.tasks.sweep import load_results
 
     for name in ("10", "2", "b1", "b0"):
         (tmp_path / name).mkdir()

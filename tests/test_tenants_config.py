@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from litellm_pipeline.builder import build_engine, to_plain
-from litellm_pipeline.config_schema import validate_config
+from litellm_pipeline.config.build import build_engine, to_plain
+from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.engine.fair_scheduler import FairScheduler
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.hydra_config import compose
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.server.auth import ApiKeys, digest
 
 DIGEST = digest("sk-test")
@@ -35,7 +35,7 @@ def test_bad_tenant_values_name_the_key(overrides, expect, tmp_path, monkeypatch
     def must_not_load(*a, **k):
         raise AssertionError("the checkpoint was read before the config was checked")
 
-    monkeypatch.setattr("litellm_pipeline.builder.load_model_config", must_not_load)
+    monkeypatch.setattr("litellm_pipeline.config.build.load_model_config", must_not_load)
     with pytest.raises(ConfigError) as err:
         build_engine(compose(["tenants=keys", f"model.path={tmp_path}", *overrides]))
     assert expect in str(err.value), str(err.value)
@@ -70,7 +70,7 @@ def test_serving_the_keys_example_needs_its_key_variables(monkeypatch):
 
     app = validate_config(to_plain(compose(["+recipe=serve", "tenants=keys"])))
     monkeypatch.delenv("LITELLM_PIPELINE_KEY_ACME", raising=False)
-    monkeypatch.setattr("litellm_pipeline.builder.build_from_app", lambda *a: pytest.fail("the engine was built"))
+    monkeypatch.setattr("litellm_pipeline.config.build.build_from_app", lambda *a: pytest.fail("the engine was built"))
     with pytest.raises(ConfigError, match="tenants.acme.api_key_env: the environment variable "
                                           "LITELLM_PIPELINE_KEY_ACME is not set"):
         serve(app)

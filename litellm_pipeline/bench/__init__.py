@@ -29,18 +29,9 @@ from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
 from litellm_pipeline.bench.settings import BenchSettings, bench_settings
 from litellm_pipeline.bench.workload import batch1_item, make_workload
 from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.tasks import output_dir
 
 __all__ = ["run_bench", "BenchSettings"]
-
-
-def run_dir() -> Path:
-    """Hydra's run directory when inside a Hydra app, else the working directory."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):
-        return Path.cwd()
 
 
 def engine_config(base: Mapping[str, Any], path: Path, dtype: str, overrides: Mapping[str, Any]) -> dict:
@@ -86,7 +77,7 @@ def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
 def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, single_items,
                  bar: tqdm, mark: Callable[[str], None], device: str) -> dict:
     """Fill ``row`` for one model x dtype; ``mark(label)`` closes a phase (and saves what is measured so far)."""
-    from litellm_pipeline.builder import build_engine
+    from litellm_pipeline.config.build import build_engine
 
     name, dtype = row["model"], row["dtype"]
     tag = f"{name}/{dtype}"
@@ -224,7 +215,7 @@ def _open_llamacpp_peers(row: dict, path: Path, s: BenchSettings, items, b1, sta
 
 def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe, bar: tqdm, tag: str, dtype: str) -> dict:
     """The same workload and batch-1 decode with ``engine.deterministic=true`` (the batch-invariant mode)."""
-    from litellm_pipeline.builder import build_engine
+    from litellm_pipeline.config.build import build_engine
 
     bar.set_description(f"{tag}: deterministic mode")
     engine = build_engine(_config(base, path, s, dtype, {"engine.deterministic": True}))
@@ -241,7 +232,7 @@ def _measure_deterministic(path, s: BenchSettings, base: dict, items, b1, probe,
 def _measure_offload(path, s: BenchSettings, base: dict, b1, resident: dict, bar: tqdm, tag: str, dtype: str) -> list:
     """Batch-1 decode with ``moe.hot_experts`` = each of ``s.offload``: tokens/s, the offload counts per decode
     token, and what a miss costs (the slowdown against the all-resident run over the misses per token)."""
-    from litellm_pipeline.builder import build_engine
+    from litellm_pipeline.config.build import build_engine
 
     out = []
     for hot in s.offload:
@@ -279,7 +270,7 @@ def run_bench(cfg: Any) -> dict:
     device_cfg = base.get("device") or {}
     if device_cfg.get("threads"):
         torch.set_num_threads(int(device_cfg["threads"]))
-    from litellm_pipeline.builder import resolve_device
+    from litellm_pipeline.config.build import resolve_device
 
     device = str(resolve_device(device_cfg.get("type", "cpu")))
     info = machine_info()
@@ -288,7 +279,7 @@ def run_bench(cfg: Any) -> dict:
     mon.mark("idle check")
     items = make_workload(s.num_requests, s.prompt_len, s.output_len, s.seed)
     single_items = items[: s.peer_single_max_requests] if s.peer_single_max_requests else items
-    out = run_dir() / "bench.json"
+    out = output_dir() / "bench.json"
     result: dict[str, Any] = {"config": s.model_dump(mode="json"), "machine": info, "models": {}, "results": []}
     with tqdm(total=_units(s, len(models), len(single_items)), file=sys.stderr, unit="step",
               mininterval=0.5, dynamic_ncols=True) as bar:

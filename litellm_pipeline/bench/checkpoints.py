@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from litellm_pipeline.tokenizer import build_byte_tokenizer
+from litellm_pipeline.text.tokenizer import build_byte_tokenizer
 
 
 def cache_root() -> Path:

@@ -3,9 +3,9 @@
 * :mod:`~litellm_pipeline.demo.skills` -- the seeded synthetic tasks (add, reverse, sort, copy, recall) and the
   train / held-out split;
 * :mod:`~litellm_pipeline.demo.tokenizer` -- its character-level tokenizer;
-* :mod:`~litellm_pipeline.demo.network` and :mod:`~litellm_pipeline.demo.train` -- the training-mode network
+* :mod:`~litellm_pipeline.demo.network` and :mod:`~litellm_pipeline.tasks.train_demo` -- the training-mode network
   (Mixtral or Qwen3-MoE layout) and the loop that wrote ``checkpoint/`` (``python -m litellm_pipeline +recipe=train_demo``);
-* :mod:`~litellm_pipeline.demo.evaluate` -- exact-match accuracy per task and tier (``+recipe=eval``).
+* :mod:`~litellm_pipeline.tasks.eval` -- exact-match accuracy per task and tier (``+recipe=eval``).
 
 The checkpoint is an ordinary Hugging Face directory, loaded through the same loader as any user checkpoint.
 This module stays light (no torch): the builder imports it to find the default model.
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from litellm_pipeline.demo.skills import DEFAULT_EVAL_SEED, TASKS, Example, heldout, solve
 
-__all__ = ["CHECKPOINT_DIR", "demo_checkpoint", "demo_prompts", "solve", "output_dir"]
+__all__ = ["CHECKPOINT_DIR", "demo_checkpoint", "demo_prompts", "solve"]
 
 CHECKPOINT_DIR = Path(__file__).resolve().parent / "checkpoint"
 
@@ -36,12 +36,3 @@ def demo_prompts(seed: int = 0) -> list[Example]:
     """One held-out example per task, chosen by ``seed`` (the default run shows these)."""
     return heldout(1, seed=DEFAULT_EVAL_SEED + seed, tasks=TASKS)
 
-
-def output_dir() -> Path:
-    """Hydra's run directory when inside a Hydra app, else the working directory."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):
-        return Path.cwd()

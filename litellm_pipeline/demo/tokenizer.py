@@ -2,7 +2,7 @@
 
 Ids 0..3 are ``<s>`` (bos, prepended by encode), ``</s>`` (eos), ``<pad>`` and ``<unk>`` (any character outside
 :data:`~litellm_pipeline.demo.skills.CHARSET`); then one id per character in CHARSET order. Built with the
-`tokenizers` library and saved through :class:`litellm_pipeline.tokenizer.Tokenizer`, so `transformers`'
+`tokenizers` library and saved through :class:`litellm_pipeline.text.tokenizer.Tokenizer`, so `transformers`'
 AutoTokenizer reads the same files.
 """
 
@@ -12,7 +12,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, processors
 
 from litellm_pipeline.demo.skills import CHARSET
-from litellm_pipeline.tokenizer import Tokenizer
+from litellm_pipeline.text.tokenizer import Tokenizer
 
 BOS, EOS, PAD, UNK = "<s>", "</s>", "<pad>", "<unk>"
 SPECIALS = (BOS, EOS, PAD, UNK)

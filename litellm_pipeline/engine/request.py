@@ -12,12 +12,13 @@ import torch
 from litellm_pipeline.errors import InternalError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.tiers import BudgetSpec, TierSet
-from litellm_pipeline.tiers.budget import CostRecord
+from litellm_pipeline.budget import BudgetSpec
+from litellm_pipeline.tiers import TierSet
+from litellm_pipeline.budget.spec import CostRecord
 
 if TYPE_CHECKING:
-    from litellm_pipeline.tiers.selector import Selection
-    from litellm_pipeline.tokenizer import IncrementalDetokenizer
+    from litellm_pipeline.budget.selector import Selection
+    from litellm_pipeline.text.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(str, Enum):

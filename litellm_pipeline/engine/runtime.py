@@ -10,11 +10,11 @@ from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.telemetry import EventBus
-from litellm_pipeline.tenants import TenantLedger
+from litellm_pipeline.engine.tenants import TenantLedger
 from litellm_pipeline.tiers import TierSet
 from litellm_pipeline.tiers.cost_model import CostModel
-from litellm_pipeline.tiers.selector import BudgetPolicy
-from litellm_pipeline.tokenizer import Tokenizer
+from litellm_pipeline.budget.selector import BudgetPolicy
+from litellm_pipeline.text.tokenizer import Tokenizer
 
 
 @dataclass

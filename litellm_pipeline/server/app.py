@@ -18,7 +18,7 @@ from typing import Any, AsyncIterator, Callable, Mapping
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from litellm_pipeline.config_schema import ServerSection
+from litellm_pipeline.config.schema import ServerSection
 from litellm_pipeline.engine.async_engine import AsyncEngine
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.errors import InternalError, InvalidRequestError, NotFoundError, RequestError
@@ -30,7 +30,7 @@ from litellm_pipeline.server.responses import ChoiceState, TokenText, chat_body,
 from litellm_pipeline.server.specs import Choice, Limits, chat_specs, completion_specs
 from litellm_pipeline.telemetry import RequestRejected
 from litellm_pipeline.telemetry.prometheus import CONTENT_TYPE_LATEST, PrometheusSink
-from litellm_pipeline.tenants import reserved_tokens
+from litellm_pipeline.engine.tenants import reserved_tokens
 
 __all__ = ["build_app", "metrics_sink"]
 

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from fastapi import Request
 
-from litellm_pipeline.config_schema import TenantSection
+from litellm_pipeline.config.schema import TenantSection
 from litellm_pipeline.errors import AuthenticationError, ConfigError
 
 __all__ = ["ApiKeys", "digest"]

@@ -12,7 +12,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from litellm_pipeline.engine.request import RequestOutput
-from litellm_pipeline.tokenizer import Tokenizer
+from litellm_pipeline.text.tokenizer import Tokenizer
 
 __all__ = ["ChoiceState", "TokenText", "usage", "completion_body", "chat_body", "chunk"]
 

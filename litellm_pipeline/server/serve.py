@@ -18,7 +18,7 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from litellm_pipeline.config_schema import AppConfig, ServerSection
+from litellm_pipeline.config.schema import AppConfig, ServerSection
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.server.auth import ApiKeys
 
@@ -104,7 +104,7 @@ def run_app(app: FastAPI, settings: ServerSection) -> DrainingServer:
 def serve(app_cfg: AppConfig) -> DrainingServer:
     """The serve task: the engine of the config, the app over it (API keys wanted when ``conf/tenants`` names
     tenants), uvicorn until drained."""
-    from litellm_pipeline.builder import build_from_app
+    from litellm_pipeline.config.build import build_from_app
     from litellm_pipeline.server.app import build_app
 
     # keys first: a missing key variable stops the start before the model is loaded

@@ -19,7 +19,7 @@ from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from litellm_pipeline.tokenizer import Tokenizer, TokenizerError, not_unicode
+from litellm_pipeline.text.tokenizer import Tokenizer, TokenizerError, not_unicode
 
 __all__ = ["Choice", "Limits", "completion_specs", "chat_specs", "COMPLETION_DEFAULT_MAX_TOKENS"]
 

@@ -1,5 +1,5 @@
 """admit: check that the engine can ever run a request (prompt, vocabulary, context, KV pool), then that its
-tenant's quotas allow it now (:mod:`litellm_pipeline.tenants`: rate, tokens, concurrency, queue, spend).
+tenant's quotas allow it now (:mod:`litellm_pipeline.engine.tenants`: rate, tokens, concurrency, queue, spend).
 
 A request-level stage only decides: it may reject (raise :class:`InvalidRequestError`) but it never
 enqueues. The engine gives the request its generator and detokenizer and queues it only once every
@@ -14,7 +14,7 @@ from litellm_pipeline.engine.scheduler import blocks_for
 from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
-from litellm_pipeline.tenants import reserved_tokens
+from litellm_pipeline.engine.tenants import reserved_tokens
 
 
 @register("stage", "admit")

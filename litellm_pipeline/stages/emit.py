@@ -5,7 +5,7 @@ For every sampled token the stage extends the request's text, decides whether th
 appending the token, finishing and freeing are the engine's postprocess, which also enforces the token
 limits whatever an emit stage says.
 
-Stages between sample and emit may put :class:`~litellm_pipeline.interfaces.TextFilter` objects in
+Stages between sample and emit may put :class:`~litellm_pipeline.registry.interfaces.TextFilter` objects in
 ``ctx.text_filters``: emit runs them on each request's text after its own stop strings and holds back the
 characters they may still change.
 """

@@ -1,6 +1,6 @@
-"""select_tier: choose the TierSet a request may spend in MoE layers (see :mod:`litellm_pipeline.tiers.selector`).
+"""select_tier: choose the TierSet a request may spend in MoE layers (see :mod:`litellm_pipeline.budget.selector`).
 
-The stage asks the :class:`~litellm_pipeline.tiers.selector.TierSetSelector` for a TierSet given the request's
+The stage asks the :class:`~litellm_pipeline.budget.selector.TierSetSelector` for a TierSet given the request's
 tier, budget, prompt length, ``max_tokens`` and the engine's current load, keeps the decision on the request
 (its cost record is built from it when the request finishes) and sets the token limit the monetary budget
 allows, which the engine enforces (``finish_reason="budget"``).
@@ -16,8 +16,8 @@ from litellm_pipeline import registry
 from litellm_pipeline.errors import InvalidRequestError, OverloadedError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
-from litellm_pipeline.tiers.latency import LatencyTracker
-from litellm_pipeline.tiers.selector import MODES, Load, Mode, TierSetSelector, budget_text
+from litellm_pipeline.budget.latency import LatencyTracker
+from litellm_pipeline.budget.selector import MODES, Load, Mode, TierSetSelector, budget_text
 
 
 @register("stage", "select_tier")

@@ -1,7 +1,7 @@
 """check_budget_solver: a ``budget_solver`` class against brute force on small multiple-choice problems.
 
-The contract (``litellm_pipeline/tiers/solvers.py``): a class built with no arguments whose ``solve(problem)`` takes
-a :class:`~litellm_pipeline.tiers.solvers.Problem` (per layer a tuple of ``Option(k, costs, value)``, one limit per
+The contract (``litellm_pipeline/budget/solvers.py``): a class built with no arguments whose ``solve(problem)`` takes
+a :class:`~litellm_pipeline.budget.solvers.Problem` (per layer a tuple of ``Option(k, costs, value)``, one limit per
 cost, None meaning unlimited, optional ``base_costs`` counted against the limits) and returns a ``Solution(choice,
 costs, value)`` with one option index per layer, or None. What must hold, for problems whose options are monotone
 (a layer's cheapest option is cheapest in every cost, as the cost model's expert counts are):
@@ -19,7 +19,7 @@ import random
 from typing import Iterator
 
 from litellm_pipeline.testing._support import describe, resolve
-from litellm_pipeline.tiers.solvers import Option, Problem, Solution
+from litellm_pipeline.budget.solvers import Option, Problem, Solution
 
 _EPS = 1e-9
 

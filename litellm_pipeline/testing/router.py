@@ -1,6 +1,6 @@
 """check_router: a ``router`` class against the limits each request's TierSet sets, on scripted and real steps.
 
-The contract (:class:`litellm_pipeline.interfaces.Router`): built as ``cls(model_cfg, device, **params)``, called once
+The contract (:class:`litellm_pipeline.registry.interfaces.Router`): built as ``cls(model_cfg, device, **params)``, called once
 per step as ``plan(schedule)`` with ``[(request, num_new_tokens)]`` in row order; returns None (the checkpoint's own
 routing for every token), one ``RoutePlan`` for every layer, or a tuple with one entry per decoder layer. What must
 hold, token by token: never more experts than its request's TierSet allows in that layer, never an expert outside

@@ -23,7 +23,7 @@ CHECKED = "checked"  # the name the stage gets in the graph
 
 
 def _default_order(overrides: Sequence[str]) -> tuple[list[str], dict[str, str]]:
-    from litellm_pipeline.hydra_config import compose
+    from litellm_pipeline.config.compose import compose
 
     cfg = compose(list(overrides))
     return list(cfg.pipeline.order), {n: cfg.pipeline.stages[n].impl for n in cfg.pipeline.order}
@@ -33,7 +33,7 @@ def place(cls: type, order: list[str], impls: dict[str, str], after: str | None,
     """The graph order with the stage inserted: after/before a named stage, else at the first position the
     builder's graph check accepts (right after the stages that produce its inputs)."""
     from litellm_pipeline import registry
-    from litellm_pipeline.builder import check_graph
+    from litellm_pipeline.config.build import check_graph
     from litellm_pipeline.errors import ConfigError
 
     if after is not None or before is not None:

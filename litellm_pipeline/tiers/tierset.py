@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from litellm_pipeline.errors import ConfigError
 
 if TYPE_CHECKING:
-    from litellm_pipeline.config_schema import TierSection
+    from litellm_pipeline.config.schema import TierSection
     from litellm_pipeline.model.config import ModelConfig
 
 

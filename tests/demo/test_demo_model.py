@@ -19,7 +19,7 @@ from litellm_pipeline.demo import CHECKPOINT_DIR, demo_checkpoint, demo_prompts
 from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.demo.skills import TASKS, Example, heldout, solve, split_of, training_stream
 from litellm_pipeline.demo.tokenizer import EOS_ID, build_char_tokenizer
-from litellm_pipeline.demo.train import TrainSettings, encode_batch, train
+from litellm_pipeline.tasks.train_demo import TrainSettings, encode_batch, train
 
 # a fixed handful of held-out prompts (two per skill); the shipped model must answer all of them
 HANDFUL = heldout(2, seed=7)

@@ -186,7 +186,7 @@ def test_fault_suite_under_the_fair_scheduler_with_tenant_quotas(monkeypatch):
     submissions from several tenants) with every engine on ``fair`` and quotas (too large to refuse anything) on
     two of its tenants: nothing leaks or hangs, every request ends once with exactly its tokens alone, and every
     quota hold is settled exactly once (nothing left in flight)."""
-    from litellm_pipeline import fault_suite
+    from litellm_pipeline.tasks import faults as fault_suite
 
     drawn = fault_suite.random_engine_config
     quotas = {f"tenants.{t}.{k}": v for t in ("t2", "faulty-2")

@@ -13,7 +13,7 @@ from _engine_util import assert_pool_empty, greedy
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.errors import InvalidRequestError, OverloadedError, RateLimitedError
 from litellm_pipeline.telemetry.prometheus import PrometheusSink
-from litellm_pipeline.tenants import TenantLedger, TenantPolicy
+from litellm_pipeline.engine.tenants import TenantLedger, TenantPolicy
 
 PROMPT = "12+345="
 

@@ -9,7 +9,7 @@ import pytest
 
 from litellm_pipeline import LLM
 from litellm_pipeline.model.config import CheckpointError
-from litellm_pipeline.tokenizer import TokenizerError
+from litellm_pipeline.text.tokenizer import TokenizerError
 
 
 @pytest.fixture

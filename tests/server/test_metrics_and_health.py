@@ -8,8 +8,8 @@ import asyncio
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from litellm_pipeline.builder import build_engine
-from litellm_pipeline.hydra_config import compose
+from litellm_pipeline.config.build import build_engine
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.server.app import build_app
 
 NAMES = [

@@ -224,7 +224,7 @@ def test_the_default_open_mode_needs_no_key(demo_server):
 
 
 def test_env_keys_are_read_at_start(monkeypatch):
-    from litellm_pipeline.config_schema import TenantSection
+    from litellm_pipeline.config.schema import TenantSection
     from litellm_pipeline.errors import ConfigError
     from litellm_pipeline.server.auth import ApiKeys
 

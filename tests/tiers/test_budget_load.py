@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from litellm_pipeline.budget_load import BudgetClass, LoadSettings, format_report, run_load
+from litellm_pipeline.tasks.budget_load import BudgetClass, LoadSettings, format_report, run_load
 
 
 def test_budget_load_recipe_reports_every_class(tmp_path):
@@ -98,8 +98,8 @@ def test_a_full_engine_predicts_the_wait_for_a_slot():
 def test_measured_step_times_correct_the_predictions():
     from litellm_pipeline import LLM
     from litellm_pipeline.telemetry.events import StepFinished
-    from litellm_pipeline.tiers.latency import LatencyTracker
-    from litellm_pipeline.tiers.selector import Load
+    from litellm_pipeline.budget.latency import LatencyTracker
+    from litellm_pipeline.budget.selector import Load
 
     tr = LatencyTracker()
     assert tr.step_ms(8) is None
@@ -151,7 +151,7 @@ def test_a_request_that_would_make_one_in_flight_miss_its_budget_is_refused(monk
 def test_step_model_recovers_the_line_and_keeps_slopes_non_negative():
     import random
 
-    from litellm_pipeline.tiers.step_model import StepModel
+    from litellm_pipeline.budget.step_model import StepModel
 
     m = StepModel(decay=1.0)
     assert m.predict(4) is None and m.prefill_ms(10) is None
@@ -173,8 +173,8 @@ def test_step_model_recovers_the_line_and_keeps_slopes_non_negative():
 
 def test_time_between_steps_counts_into_the_step_time(monkeypatch):
     from litellm_pipeline.telemetry.events import StepFinished
-    from litellm_pipeline.tiers import latency
-    from litellm_pipeline.tiers.latency import LatencyTracker
+    from litellm_pipeline.budget import latency
+    from litellm_pipeline.budget.latency import LatencyTracker
 
     clock = [0.0]
     monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])

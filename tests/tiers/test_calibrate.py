@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from litellm_pipeline import LLM, SamplingParams
-from litellm_pipeline.tiers.calibrate import sequence_logits
+from litellm_pipeline.tasks.calibrate import sequence_logits
 
 
 def test_sequence_logits_match_the_engine():

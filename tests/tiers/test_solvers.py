@@ -8,7 +8,7 @@ import random
 import pytest
 
 from litellm_pipeline import registry
-from litellm_pipeline.tiers.solvers import ExactSolver, GreedySolver, Option, Problem
+from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver, Option, Problem
 
 
 def brute_force(p: Problem):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from litellm_pipeline import BudgetSpec
-from litellm_pipeline.config_schema import TierSection
+from litellm_pipeline.config.schema import TierSection
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.loader import load_model_config
 from litellm_pipeline.tiers import TierSet, resolve_tiers

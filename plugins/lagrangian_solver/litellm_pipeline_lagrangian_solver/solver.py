@@ -1,6 +1,6 @@
 """lagrangian: a budget solver by Lagrangian relaxation, with a repair step and a proof of optimality when it has one.
 
-The problem (``litellm_pipeline/tiers/solvers.py``) is a multiple-choice knapsack: one option per layer, the summed
+The problem (``litellm_pipeline/budget/solvers.py``) is a multiple-choice knapsack: one option per layer, the summed
 costs within every limit, the summed value maximal. Relaxing the limits with multipliers ``lam >= 0`` (one per
 limited cost, costs scaled by their limits) splits it into one independent choice per layer:
 
@@ -19,7 +19,7 @@ gap): then it is provably optimal.
 
 from __future__ import annotations
 
-from litellm_pipeline.tiers.solvers import GreedySolver, Problem, Solution
+from litellm_pipeline.budget.solvers import GreedySolver, Problem, Solution
 
 _GAP = 1e-9
 

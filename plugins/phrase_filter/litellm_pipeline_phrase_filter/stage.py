@@ -7,7 +7,7 @@ Place it after ``sample`` and before ``emit``, the stage that turns sampled toke
     'pipeline.order=[admit,select_tier,route,prefill,decode,sample,filter,emit]'
 
 Before emit there is no text yet, only token ids, so the stage hands emit a text filter
-(:class:`litellm_pipeline.interfaces.TextFilter`) through ``ctx.text_filters``: emit extends each request's text
+(:class:`litellm_pipeline.registry.interfaces.TextFilter`) through ``ctx.text_filters``: emit extends each request's text
 with its new token, applies the request's own stop strings, then this filter, and holds back the characters the
 filter may still change. Appending tokens, finishing and freeing stay the engine's postprocess, so a stop phrase
 ends a request exactly as a stop string does (``finish_reason="stop"``, blocks freed) and the token limits hold

@@ -1,4 +1,4 @@
-"""Checks an entry against its kind's protocol (:mod:`litellm_pipeline.interfaces`) when it is registered.
+"""Checks an entry against its kind's protocol (:mod:`litellm_pipeline.registry.interfaces`) when it is registered.
 
 What can be checked without running anything: the entry's form (a class, or a Python function for the function
 kinds), every method the protocol declares (present, callable, not abstract, and accepting the positional
@@ -16,7 +16,7 @@ import inspect
 from functools import lru_cache
 from typing import Any, Callable, Protocol
 
-from litellm_pipeline.interfaces import INTERFACES, Interface
+from litellm_pipeline.registry.interfaces import INTERFACES, Interface
 
 # dunder methods that are part of a protocol (the others are typing machinery)
 _PROTOCOL_DUNDERS = frozenset({"__call__", "__len__", "__contains__", "__iter__"})

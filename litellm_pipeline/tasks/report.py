@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from litellm_pipeline.errors import ConfigError, section_settings
-from litellm_pipeline.sweep import fmt, load_results
+from litellm_pipeline.tasks.sweep import fmt, load_results
 
 
 class ReportSettings(BaseModel):
@@ -109,8 +109,8 @@ def plot(results: list[dict], path: Path) -> Path:
     return path
 
 
-def run_report(cfg) -> dict:
-    from litellm_pipeline.builder import to_plain
+def run(cfg) -> dict:
+    from litellm_pipeline.config.build import to_plain
 
     plain = to_plain(cfg)
     s = report_settings(plain.get("report"))

@@ -9,12 +9,12 @@ packages add entries through Python entry points, loaded lazily the first time a
 * group ``litellm_pipeline.<kind>`` (e.g. ``litellm_pipeline.sampler``): the entry point's name is
   the registry name and its value (``"pkg.mod:Class"``) is imported on first use.
 
-Every entry is checked against its kind's interface (:mod:`litellm_pipeline.interfaces`) when it is
+Every entry is checked against its kind's interface (:mod:`litellm_pipeline.registry.interfaces`) when it is
 registered: an object that lacks a method fails then, naming the kind, the name and what is missing.
 A plugin that fails to load (or registers such an object) is reported by name (a warning, the listing,
 and every "unknown name" error), what it registered is taken back, and the other plugins are unaffected.
 Which plugins load is filtered by ``plugins.allow`` / ``plugins.deny`` and their environment variables
-(:mod:`litellm_pipeline.plugin_filter`); a plugin the filter refuses is not imported, and one refused
+(:mod:`litellm_pipeline.registry.filter`); a plugin the filter refuses is not imported, and one refused
 after it loaded is hidden (and shown again, without reloading, when the filter allows it again).
 
 Registering a name twice is an error; looking up an unknown name is an error listing the known ones.
@@ -37,8 +37,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from litellm_pipeline.interface_check import conformance_error
-from litellm_pipeline.plugin_filter import PluginFilter
+from litellm_pipeline.registry.conformance import conformance_error
+from litellm_pipeline.registry.filter import PluginFilter
 
 KINDS: tuple[str, ...] = (
     "stage",
@@ -112,7 +112,7 @@ LAZY_MARK = "# registry: imported on first use"
 def builtin_modules() -> tuple[tuple[str, ...], dict[str, dict[str, str]]]:
     """The package's modules that register built-ins: ``(imported with the registry, {kind: {name: module}}
     imported on first use)``, found by reading the sources."""
-    root = Path(__file__).resolve().parent
+    root = Path(__file__).resolve().parents[1]
     eager: list[str] = []
     lazy: dict[str, dict[str, str]] = {}
     for path in sorted(root.rglob("*.py")):

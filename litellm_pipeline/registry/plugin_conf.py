@@ -16,7 +16,7 @@ existing command line means.
 Why one config source serving every plugin rather than a ``pkg://`` entry per plugin on ``hydra.searchpath``:
 the search path is a list in ``conf/config.yaml`` that cannot grow with what is installed, and a Hydra
 ``SearchPathPlugin`` would have to live in a ``hydra_plugins`` namespace package of its own (see
-:mod:`litellm_pipeline.hydra_config` for the same reasoning about recipes). ``conf/config.yaml`` lists
+:mod:`litellm_pipeline.config.compose` for the same reasoning about recipes). ``conf/config.yaml`` lists
 ``litellm-plugins://`` once; the source finds the entry points each time a config is composed.
 
 The plugin filter applies here through its environment variables only (``LITELLM_PIPELINE_PLUGINS_ALLOW`` /
@@ -33,7 +33,7 @@ from hydra._internal.core_plugins.importlib_resources_config_source import Impor
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 
-from litellm_pipeline.plugin_filter import PluginFilter
+from litellm_pipeline.registry.filter import PluginFilter
 
 CONF_GROUP = "litellm_pipeline.conf"
 PLUGIN_CONF_SCHEME = "litellm-plugins"

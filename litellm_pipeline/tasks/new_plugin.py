@@ -3,7 +3,7 @@
 ``python -m litellm_pipeline +recipe=new_plugin plugin.name=NAME plugin.kind=KIND [plugin.dir=.]`` creates
 ``DIR/NAME/`` holding a pyproject (a lazy entry point ``litellm_pipeline.<kind>: NAME``), the package
 ``litellm_pipeline_NAME`` whose implementation starts as the kind's reference built-in (subclassed or delegated to,
-every method carrying its interface's docstring from :mod:`litellm_pipeline.interfaces`), a test using the
+every method carrying its interface's docstring from :mod:`litellm_pipeline.registry.interfaces`), a test using the
 conformance kit (:mod:`litellm_pipeline.testing`) by registry name, and a README. The package installs and passes
 its tests unchanged; the author then edits the implementation module.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import keyword
-import re
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,7 +41,7 @@ KINDS: dict[str, KindSpec] = {
                       "check_stage", (("__call__", "ctx.logits = ctx.logits  # pass-through: transform ctx.logits here"),)),
     "kv_policy": KindSpec("lru", "litellm_pipeline.engine.kv_policy:LRUPolicy", "cache.kv_policy=$name",
                           "check_kv_policy"),
-    "budget_solver": KindSpec("greedy", "litellm_pipeline.tiers.solvers:GreedySolver", "budget.solver=$name",
+    "budget_solver": KindSpec("greedy", "litellm_pipeline.budget.solvers:GreedySolver", "budget.solver=$name",
                               "check_budget_solver"),
     "sampler": KindSpec("default", "litellm_pipeline.sampling.samplers:Sampler",
                         "pipeline.stages.sample.params.sampler=$name", "check_sampler"),
@@ -56,7 +55,7 @@ KINDS: dict[str, KindSpec] = {
                           "pipeline.stages.decode.params.attention=$name", "check_attention"),
     "moe_dispatch": KindSpec("packed", "litellm_pipeline.model.moe:packed_dispatch",
                              "pipeline.stages.decode.params.moe_dispatch=$name", "check_moe_dispatch"),
-    "router": KindSpec("tierset", "litellm_pipeline.routing:TierSetRouter",
+    "router": KindSpec("tierset", "litellm_pipeline.tiers.router:TierSetRouter",
                        "pipeline.stages.route.params.router=$name", "check_router"),
 }
 
@@ -109,15 +108,15 @@ def _plain_signature(fn: Any, skip_self: bool) -> tuple[str, str]:
 
 
 def _methods(kind: str) -> dict[str, Any]:
-    from litellm_pipeline.interface_check import members
-    from litellm_pipeline.interfaces import INTERFACES
+    from litellm_pipeline.registry.conformance import members
+    from litellm_pipeline.registry.interfaces import INTERFACES
 
     return dict(members(INTERFACES[kind].protocol).methods)
 
 
 def implementation(name: str, kind: str) -> tuple[str, str]:
     """The implementation module's text and the attribute the entry point names."""
-    from litellm_pipeline.interfaces import INTERFACES
+    from litellm_pipeline.registry.interfaces import INTERFACES
 
     spec, iface = KINDS[kind], INTERFACES[kind]
     mod, _, attr = spec.ref_import.partition(":")
@@ -249,7 +248,7 @@ The tests look `$name` up by its registry name, so they need the package install
 
 def render(name: str, kind: str) -> dict[str, str]:
     """Every file of the package, relative to its folder ``NAME/``."""
-    from litellm_pipeline.interfaces import INTERFACES
+    from litellm_pipeline.registry.interfaces import INTERFACES
 
     spec, iface = KINDS[kind], INTERFACES[kind]
     code, attr = implementation(name, kind)
@@ -295,3 +294,16 @@ def run_new_plugin(section: Any) -> Path:
     print(f"wrote {target} ({s.kind} {s.name!r}): pip install -e '{target}[test]' && pytest {target}\n"
           f"select it with: {Template(KINDS[s.kind].select).substitute(name=s.name)}")
     return target
+
+
+def run(cfg) -> Path:
+    """Write the plugin the ``plugin`` section names (``plugin.name``, ``plugin.kind`` required). Loads no model."""
+    from omegaconf import OmegaConf
+
+    section = cfg.get("plugin")
+    if section is not None:
+        missing = [k for k in ("name", "kind") if OmegaConf.is_missing(section, k)]
+        if missing:
+            raise ConfigError("; ".join(f"plugin.{k}: required (plugin.{k}=...)" for k in missing))
+        section = OmegaConf.to_container(section, resolve=True)
+    return run_new_plugin(section)

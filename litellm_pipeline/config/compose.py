@@ -14,7 +14,7 @@ entry point that composes the config (:func:`compose`, :func:`hydra_main`) impor
 first. The cost: code that composes ``conf/`` through Hydra directly must call
 :func:`register_recipe_source` first, or Hydra fails loudly with "No config source registered
 for schema litellm-recipes". The config groups of installed plugins come the same way, from the
-``litellm-plugins://`` source (:mod:`litellm_pipeline.plugin_conf`).
+``litellm-plugins://`` source (:mod:`litellm_pipeline.registry.plugin_conf`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from omegaconf import DictConfig, OmegaConf
 
-from litellm_pipeline.plugin_conf import PluginConfigSource
+from litellm_pipeline.registry.plugin_conf import PluginConfigSource
 
 RECIPE_GROUP = "recipe"
 RECIPE_SCHEME = "litellm-recipes"
@@ -48,10 +48,10 @@ def _data_dir(name: str) -> Path:
     # top-level `conf/config.yaml` in site-packages: looking inside the package first means such a
     # folder cannot hijack an installed copy. A Traversable that is not a real Path (zip import)
     # cannot be handed to Hydra's file-based loaders, hence the isinstance check.
-    packaged = resources.files(__package__).joinpath(name)
+    packaged = resources.files("litellm_pipeline").joinpath(name)
     if isinstance(packaged, Path) and packaged.is_dir():
         return packaged
-    checkout_root = Path(__file__).resolve().parents[1]
+    checkout_root = Path(__file__).resolve().parents[2]
     if (checkout_root / "conf" / "config.yaml").is_file():
         return checkout_root / name
     raise FileNotFoundError(
@@ -140,7 +140,7 @@ class RecipeConfigSource(ConfigSource):
 
 def register_recipe_source() -> None:
     """Make ``litellm-recipes://`` and ``litellm-plugins://`` (plugins' config groups, see
-    :mod:`litellm_pipeline.plugin_conf`) known to Hydra (idempotent).
+    :mod:`litellm_pipeline.registry.plugin_conf`) known to Hydra (idempotent).
 
     Done at import and again before each composition, because Hydra launchers may reset its
     singletons (``Singleton.set_state``) to a state captured before this module was imported.

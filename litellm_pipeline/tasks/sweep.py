@@ -11,7 +11,7 @@ select_tier mode and default budget, and records:
 * budget compliance: per set budget limit, the share of requests whose actual value kept it;
 * which TierSets were chosen, and how many requests the budget rejected.
 
-``+recipe=report report.sweep_dir=DIR`` (:mod:`litellm_pipeline.report`) turns a directory of these into a
+``+recipe=report report.sweep_dir=DIR`` (:mod:`litellm_pipeline.tasks.report`) turns a directory of these into a
 table and a Pareto plot.
 """
 
@@ -84,10 +84,10 @@ def _run(engine, prompts, params, tier) -> tuple[list, int, float]:
     return [next(finished) if r is not None else None for r in reqs], rejected, seconds
 
 
-def run_sweep_job(cfg) -> dict:
+def run(cfg) -> dict:
     """The ``sweep`` task: run the workload once, print a line, write ``sweep.json`` into the run directory."""
-    from litellm_pipeline.builder import build_engine, to_plain
-    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.config.build import build_engine, to_plain
+    from litellm_pipeline.tasks import output_dir
 
     plain = to_plain(cfg)
     s = sweep_settings(plain.get("sweep"))

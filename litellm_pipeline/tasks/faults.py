@@ -329,7 +329,7 @@ def _run_all(s: FaultSettings, model: str | None, rng: random.Random, log: Calla
         cfg = random_engine_config(rng, max_need)
         llm = LLM(
             model=model, dtype="float32",
-            overrides=["+pipeline.stages.faults={impl: 'litellm_pipeline.fault_suite:FaultInjector', params: {}}",
+            overrides=["+pipeline.stages.faults={impl: 'litellm_pipeline.tasks.faults:FaultInjector', params: {}}",
                        "pipeline.order=[admit,select_tier,route,prefill,decode,sample,faults,emit]"],
             **cfg,
         )
@@ -346,3 +346,27 @@ def _run_all(s: FaultSettings, model: str | None, rng: random.Random, log: Calla
     total = {k: sum(getattr(r, k) for r in reports) for k in keys}
     failures = [f"run {i}: {f}" for i, r in enumerate(reports) for f in r.failures]
     return {"runs": s.runs, "seed": s.seed, **total, "failures": failures, "seconds": time.perf_counter() - t0}
+
+
+def run(cfg) -> dict:
+    """The randomized fault suite over the ``faults`` section; writes faults.json and exits 1 if an invariant
+    broke."""
+    import json
+    import sys
+
+    from litellm_pipeline.config.build import to_plain
+    from litellm_pipeline.tasks import output_dir
+
+    plain = to_plain(cfg)
+    result = run_fault_suite(fault_settings(plain.get("faults")), plain["model"].get("path"))
+    path = output_dir() / "faults.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(
+        f"{result['runs']} runs (seed {result['seed']}): {result['admitted']} requests admitted, {result['invalid']} "
+        f"invalid submissions refused, {result['aborted']} aborted, {result['faulted']} faulted, "
+        f"{result['session_turns']} session turns, {result['preemptions']} preemptions, {result['steps']} steps, "
+        f"{result['seconds']:.0f} s; {len(result['failures'])} invariant violations; wrote {path}"
+    )
+    if result["failures"]:
+        sys.exit(1)
+    return result

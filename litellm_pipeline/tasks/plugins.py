@@ -14,8 +14,8 @@ import sys
 from typing import Any
 
 from litellm_pipeline import registry
-from litellm_pipeline.hydra_config import config_dir
-from litellm_pipeline.plugin_conf import conf_roots, root_error, root_options
+from litellm_pipeline.config.compose import config_dir
+from litellm_pipeline.registry.plugin_conf import conf_roots, root_error, root_options
 
 
 def one_line_doc(obj: Any) -> str:
@@ -96,3 +96,11 @@ def run_listing(plugins_allow, plugins_deny) -> dict:
     listing = collect()
     print(render(listing))
     return listing
+
+
+def run(cfg) -> dict:
+    """The listing under the config's ``plugins.allow`` / ``plugins.deny``. Loads no model."""
+    from litellm_pipeline.tasks import app_config
+
+    section = app_config(cfg).plugins
+    return run_listing(section.allow, section.deny)

@@ -258,7 +258,7 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
                         "quality": "top-1 agreement with the full model, minus 1, with only that layer changed"},
     }
     if demo and s.accuracy_per_task:
-        from litellm_pipeline.demo.evaluate import EvalSettings, evaluate
+        from litellm_pipeline.tasks.eval import EvalSettings, evaluate
 
         acc = evaluate(engine, rt.tiers, EvalSettings(per_task=s.accuracy_per_task, progress=False))
         profile["accuracy"] = {t: a["all"] for t, a in acc["accuracy"].items()}
@@ -272,10 +272,10 @@ def write_profile(profile: dict, folder: Path, out: str | None) -> Path:
     return path
 
 
-def run_calibrate(cfg) -> dict:
+def run(cfg) -> dict:
     """The ``calibrate`` task: build the configured engine, measure, print a summary, write the profile."""
-    from litellm_pipeline.builder import build_engine, to_plain
-    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.config.build import build_engine, to_plain
+    from litellm_pipeline.tasks import output_dir
 
     plain = to_plain(cfg)
     s = calibrate_settings(plain.get("calibrate"))

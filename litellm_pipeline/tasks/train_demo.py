@@ -434,10 +434,10 @@ def save_loss_plot(summary: dict, path: Path) -> Path:
     return path
 
 
-def run_training(cfg) -> dict:
+def run(cfg) -> dict:
     """The ``train_demo`` task: train with the ``train:`` section, write to ``train.out_dir`` or <run dir>/checkpoint."""
-    from litellm_pipeline.builder import to_plain
-    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.config.build import to_plain
+    from litellm_pipeline.tasks import output_dir
 
     s = train_settings(to_plain(cfg).get("train"))
     out = Path(s.out_dir) if s.out_dir else output_dir() / "checkpoint"

@@ -196,7 +196,7 @@ _PluginName = Annotated[str, AfterValidator(_plugin_name)]
 
 
 class PluginsSection(_Section):
-    """Which third-party plugins (entry points) may load (conf/plugins; see litellm_pipeline.plugin_filter).
+    """Which third-party plugins (entry points) may load (conf/plugins; see litellm_pipeline.registry.filter).
 
     Names: an entry point's name (``example_plugin``; per-kind entries also ``<kind>:<name>``) or a
     distribution's name, with shell-style wildcards. ``allow`` null: every installed plugin; a list: only those.
@@ -286,7 +286,7 @@ class AppConfig(_Section):
     report: dict[str, Any] | None = None
     budget_load: dict[str, Any] | None = None
     loadtest: dict[str, Any] | None = None
-    plugin: dict[str, Any] | None = None  # +recipe=new_plugin (litellm_pipeline.scaffold)
+    plugin: dict[str, Any] | None = None  # +recipe=new_plugin (litellm_pipeline.tasks.new_plugin)
 
     def sampling_params(self) -> SamplingParams:
         try:

@@ -289,15 +289,15 @@ def format_report(r: dict) -> str:
 def run_loadtest(cfg, overrides: list[str]) -> dict:
     from tqdm import tqdm
 
-    from litellm_pipeline.builder import build_engine, to_plain
-    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.config.build import build_engine, to_plain
+    from litellm_pipeline.tasks import output_dir
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("loadtest"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
     demo = plain["model"].get("path") is None
     times = arrivals(s)
-    from litellm_pipeline.budget_load import workload_prompts
+    from litellm_pipeline.tasks.budget_load import workload_prompts
 
     texts = workload_prompts(len(times), demo, s.seed)
     result: dict[str, Any] = {"requests": len(times), "rate": s.rate, "max_tokens": s.max_tokens,
@@ -324,3 +324,11 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
     return result
+
+
+def run(cfg) -> dict:
+    """The load test with the command line's overrides (the server it starts gets the same ones)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    return run_loadtest(cfg, overrides)

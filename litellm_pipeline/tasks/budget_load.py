@@ -59,7 +59,7 @@ def workload_prompts(n: int, demo: bool, seed: int) -> list[str]:
         exs = heldout(-(-n // 5), seed=seed + 77)
         random.Random(seed).shuffle(exs)
         return [e.prompt for e in exs][:n]
-    from litellm_pipeline.sweep import TEXT_PROMPTS
+    from litellm_pipeline.tasks.sweep import TEXT_PROMPTS
 
     return [TEXT_PROMPTS[i % len(TEXT_PROMPTS)] for i in range(n)]
 
@@ -173,9 +173,9 @@ def format_report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def run_budget_load(cfg) -> dict:
-    from litellm_pipeline.builder import build_engine, to_plain
-    from litellm_pipeline.demo import output_dir
+def run(cfg) -> dict:
+    from litellm_pipeline.config.build import build_engine, to_plain
+    from litellm_pipeline.tasks import output_dir
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("budget_load"))

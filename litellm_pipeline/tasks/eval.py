@@ -106,10 +106,10 @@ def write_json(result: dict, folder: Path) -> Path:
     return path
 
 
-def run_eval(cfg) -> dict:
+def run(cfg) -> dict:
     """The ``eval`` task: build the configured engine, evaluate, print the table, write eval.json to the run dir."""
-    from litellm_pipeline.builder import build_engine, to_plain
-    from litellm_pipeline.demo import output_dir
+    from litellm_pipeline.config.build import build_engine, to_plain
+    from litellm_pipeline.tasks import output_dir
 
     plain = to_plain(cfg)
     s = eval_settings(plain.get("eval"))

@@ -3,7 +3,7 @@
 Each protocol lists exactly what the engine calls (derived from its call sites in ``engine/``, ``stages/``,
 ``model/``, ``tiers/``, ``sampling/`` and ``telemetry/``), when, with which shapes and dtypes, and what must hold.
 :data:`INTERFACES` maps a kind to its protocol and to how the engine builds an entry; the registry checks every
-entry against it when it is registered (:mod:`litellm_pipeline.interface_check`), so a plugin that lacks a method
+entry against it when it is registered (:mod:`litellm_pipeline.registry.conformance`), so a plugin that lacks a method
 fails at registration, naming the kind, the name and what is missing, never at the first request.
 
 Conventions: ``T`` is the number of tokens of an engine step (prompt chunks first, then one token per decoding
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
     from litellm_pipeline.sampling.samplers import SamplerOutput, SamplingRow
     from litellm_pipeline.telemetry.events import Event
-    from litellm_pipeline.tiers.solvers import Problem, Solution
+    from litellm_pipeline.budget.solvers import Problem, Solution
 
 __all__ = [
     "PipelineStage", "TextFilter", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
@@ -364,7 +364,7 @@ class BudgetSolver(Protocol):
     def solve(self, problem: Problem) -> Solution | None:
         """Once per admitted request in the budgeted modes, under the engine lock.
 
-        ``problem`` (:class:`~litellm_pipeline.tiers.solvers.Problem`): per layer a tuple of
+        ``problem`` (:class:`~litellm_pipeline.budget.solvers.Problem`): per layer a tuple of
         ``Option(k, costs, value)``, ``limits`` (one per cost, None: unlimited) and ``base_costs``. Returns a
         ``Solution(choice, costs, value)`` with one option index per layer, or None.
 
@@ -435,7 +435,7 @@ class TelemetrySink(Protocol):
 
 @dataclass(frozen=True)
 class Interface:
-    """A kind's protocol and how the engine builds its entries (what :mod:`~litellm_pipeline.interface_check`
+    """A kind's protocol and how the engine builds its entries (what :mod:`~litellm_pipeline.registry.conformance`
     verifies at registration)."""
 
     kind: str

@@ -4,7 +4,7 @@ A sink on the event bus (subscribed by the select_tier stage in the modes that d
 for every finished request it folds ``actual / predicted`` end-to-end and inter-token latency into an
 exponentially weighted mean (in log space, each observation clipped to 1/20..20 so a cold start or one
 stall cannot swamp it), per TierSet and decode-batch bucket and per bucket over all TierSets; and every
-engine step's duration into a :class:`~litellm_pipeline.tiers.step_model.StepModel` (a line in decode rows
+engine step's duration into a :class:`~litellm_pipeline.budget.step_model.StepModel` (a line in decode rows
 and prefill tokens), which is known long before the first request under a new load finishes. The selector
 multiplies its predictions by these factors (and by measured / predicted step time where that is larger).
 """
@@ -16,7 +16,7 @@ import threading
 import time
 
 from litellm_pipeline.telemetry.events import Event, RequestCosted, StepFinished
-from litellm_pipeline.tiers.step_model import StepModel
+from litellm_pipeline.budget.step_model import StepModel
 
 _CLIP = math.log(20.0)
 
