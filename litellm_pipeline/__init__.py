@@ -1,9 +1,9 @@
 """litellm_pipeline: an LLM inference runtime whose whole structure is declared in Hydra YAML."""
 
+from litellm_pipeline.budget.spec import BudgetSpec
 from litellm_pipeline.registry import register
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.budget.spec import BudgetSpec
 
 __all__ = ["LLM", "SamplingParams", "RequestSpec", "BudgetSpec", "register", "StreamDelta"]
 __version__ = "0.1.0"

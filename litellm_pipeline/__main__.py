@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from litellm_pipeline.errors import ConfigError, InvalidValueError, RequestError
 from litellm_pipeline.config.compose import hydra_main
+from litellm_pipeline.errors import ConfigError, InvalidValueError, RequestError
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:

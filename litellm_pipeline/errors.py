@@ -14,9 +14,8 @@ Every path that rejects a request raises one of them.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
-
 import uuid
+from typing import Any, TypeVar
 
 import pydantic
 

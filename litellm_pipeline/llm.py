@@ -10,9 +10,9 @@ from typing import Any, Iterator, Mapping, Sequence
 from omegaconf import OmegaConf
 
 from litellm_pipeline.config.build import build_engine
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.engine.request import Request, RequestOutput, request_output
 from litellm_pipeline.errors import InvalidRequestError
-from litellm_pipeline.config.compose import compose
 from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
 from litellm_pipeline.sampling import SamplingParams
 

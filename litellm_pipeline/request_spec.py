@@ -12,9 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
+from litellm_pipeline.budget.spec import BudgetSpec
 from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.budget.spec import BudgetSpec
 
 __all__ = ["RequestSpec", "Prompt", "to_spec"]
 

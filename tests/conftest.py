@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+
 # Triton reads TRITON_INTERPRET when it is first imported: without a GPU its kernels run in the interpreter on CPU
 # tensors (set before anything imports triton; a GPU machine runs them compiled)
 def _has_cuda() -> bool:

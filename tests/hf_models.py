@@ -174,7 +174,14 @@ CHAT_TEMPLATE = (
 def build_tokenizer(vocab_size: int = VOCAB_SIZE):
     """Byte-level BPE (no merges): ``<s>``=0, ``</s>``=1, ``<pad>``=2, byte b = 3 + b, and
     non-special added tokens ``<|extra_i|>`` = 259 + i up to ``vocab_size``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     vocab = {"<s>": BOS_ID, "</s>": EOS_ID, "<pad>": PAD_ID}
     b2u = bytes_to_unicode()

@@ -6,8 +6,8 @@ import pytest
 
 from litellm_pipeline import LLM
 from litellm_pipeline.config.build import build_engine
-from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.config.compose import compose
+from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.stages.base import Stage
 
 

@@ -8,21 +8,29 @@ import torch
 import torch.nn.functional as F
 
 from litellm_pipeline import registry
+from litellm_pipeline.budget.solvers import GreedySolver
 from litellm_pipeline.engine.kv_policy import LRUPolicy
 from litellm_pipeline.engine.scheduler import FcfsScheduler
-from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.attention import sdpa_paged_attention
 from litellm_pipeline.model.layer_ops import TorchLayerOps
 from litellm_pipeline.model.moe import packed_dispatch
-from litellm_pipeline.tiers.router import TierSetRouter
-from litellm_pipeline.sampling.samplers import Sampler, SamplerOutput
+from litellm_pipeline.registry.types import RoutePlan, SamplerOutput, Solution
+from litellm_pipeline.sampling.samplers import Sampler
 from litellm_pipeline.stages.base import Stage
 from litellm_pipeline.telemetry import MemorySink
 from litellm_pipeline.testing import (
-    check_attention, check_budget_solver, check_kv_policy, check_layer_ops, check_moe_dispatch, check_router,
-    check_sampler, check_scheduler, check_stage, check_telemetry_sink,
+    check_attention,
+    check_budget_solver,
+    check_kv_policy,
+    check_layer_ops,
+    check_moe_dispatch,
+    check_router,
+    check_sampler,
+    check_scheduler,
+    check_stage,
+    check_telemetry_sink,
 )
-from litellm_pipeline.budget.solvers import GreedySolver, Solution
+from litellm_pipeline.tiers.router import TierSetRouter
 
 # every built-in entry, per kind; test_every_builtin_is_listed keeps this in step with the registry
 BUILTINS = {

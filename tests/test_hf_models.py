@@ -9,8 +9,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from safetensors import safe_open  # noqa: E402
-
 from hf_models import (  # noqa: E402
     ARCHS,
     BOS_ID,
@@ -26,6 +24,7 @@ from hf_models import (  # noqa: E402
     save_checkpoint,
     tiny_config,
 )
+from safetensors import safe_open  # noqa: E402
 
 MAX_NEW = 8
 PROMPTS = random_prompts([5, 11, 17], seed=1234)

@@ -15,7 +15,12 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from litellm_pipeline.config.compose import compose, config_dir, known_recipes, recipes_dir
+from litellm_pipeline.config.compose import (
+    compose,
+    config_dir,
+    known_recipes,
+    recipes_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

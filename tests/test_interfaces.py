@@ -12,9 +12,11 @@ import pytest
 from fake_dists import write_dist
 
 from litellm_pipeline import registry
-from litellm_pipeline.registry import interfaces
-from litellm_pipeline.registry.conformance import conformance_error, instance_error, members
-from litellm_pipeline.registry import RegistryError
+from litellm_pipeline.registry import RegistryError, interfaces
+from litellm_pipeline.registry.conformance import (
+    conformance_error,
+    members,
+)
 from litellm_pipeline.stages.base import Stage
 
 BUILTIN_NAMES = {
@@ -63,7 +65,9 @@ def test_protocol_members_are_what_the_engine_calls():
     assert list(members(interfaces.KVPolicy).methods) == ["add", "remove", "hit", "forget", "pop", "__len__",
                                                           "__contains__"]
     assert members(interfaces.PipelineStage).class_attrs == ("level", "inputs", "outputs")
-    assert members(interfaces.Scheduler).instance_attrs == ("running", "waiting", "max_num_seqs")
+    assert list(members(interfaces.Scheduler).methods) == ["add", "schedule", "postprocess", "load", "blocked",
+                                                           "finish", "has_unfinished"]
+    assert members(interfaces.Scheduler).instance_attrs == ()  # its queues are its own: readers ask load()
     assert set(members(interfaces.LayerOps).methods) == {"linear", "rms_norm", "add_rms_norm", "silu_mul", "rotary",
                                                         "residual_mlp", "route"}
     # optional hooks are documented but never required
@@ -82,11 +86,11 @@ def test_builtins_satisfy_their_interface(kind):
 
 
 def test_built_objects_satisfy_the_runtime_protocols():
+    from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver
     from litellm_pipeline.engine.kv_policy import LFUPolicy, LRUPolicy
     from litellm_pipeline.model.layer_ops import TorchLayerOps
     from litellm_pipeline.sampling.samplers import Sampler
     from litellm_pipeline.telemetry.bus import MemorySink
-    from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver
 
     for obj, proto in [(LRUPolicy(), interfaces.KVPolicy), (LFUPolicy(), interfaces.KVPolicy),
                        (TorchLayerOps(), interfaces.LayerOps), (Sampler(), interfaces.Sampler),
@@ -106,7 +110,7 @@ EMPTY_CLASS_MISSING = {
     "sampler": ["missing methods: __call__"],
     "kv_policy": ["missing methods: add, remove, hit, forget, pop, __len__, __contains__"],
     "budget_solver": ["missing methods: solve"],
-    "scheduler": ["missing methods: add, schedule, blocked, finish, has_unfinished", "cannot be built as cls(kv, "],
+    "scheduler": ["missing methods: add, schedule, postprocess, load, blocked, finish, has_unfinished", "cannot be built as cls(kv, "],
     "telemetry": ["missing methods: publish"],
 }
 
@@ -238,43 +242,45 @@ def test_a_non_class_is_refused_for_class_kinds(reg):
         registry.add("sampler", "obj", object())
 
 
-# -- instance attributes: checked on the built object ----------------------------------------------------
+# -- a scheduler owns its queues: the engine and the stages only call it ----------------------------------
 
 
-def test_scheduler_instance_attributes():
-    from litellm_pipeline.engine.scheduler import FcfsScheduler
-
-    kv = SimpleNamespace(hot=None, block_size=16)
-    assert instance_error("scheduler", "fcfs", FcfsScheduler(kv, 4, 64)) is None
-    msg = instance_error("scheduler", "mine", SimpleNamespace(waiting=[]))
-    assert msg.startswith("scheduler 'mine': the built SimpleNamespace lacks attributes running, max_num_seqs")
-
-
-class _NoMaxSeqs:
-    """A scheduler that has the methods but never sets max_num_seqs (which select_tier and the admit stage read)."""
+class _NoLoad:
+    """A scheduler of the old shape: queues as attributes, no load() snapshot and no postprocess()."""
 
     def __init__(self, kv, max_num_seqs, max_num_batched_tokens, preemption="recompute", bus=None):
-        from litellm_pipeline.engine.scheduler import FcfsScheduler
+        self.running, self.waiting, self.max_num_seqs = [], [], max_num_seqs
 
-        self._inner = FcfsScheduler(kv, max_num_seqs, max_num_batched_tokens, preemption, bus)
-        self.running, self.waiting = self._inner.running, self._inner.waiting
-
-    def add(self, req): self._inner.add(req)
-    def schedule(self): return self._inner.schedule()
-    def blocked(self): return self._inner.blocked()
-    def finish(self, req): self._inner.finish(req)
-    def has_unfinished(self): return self._inner.has_unfinished()
+    def add(self, req): self.waiting.append(req)
+    def schedule(self): return []
+    def blocked(self): return None
+    def finish(self, req): pass
+    def has_unfinished(self): return bool(self.waiting or self.running)
 
 
-def test_builder_refuses_a_scheduler_without_its_attributes(reg):
-    from litellm_pipeline.config.build import build_engine
-    from litellm_pipeline.errors import ConfigError
-    from litellm_pipeline.config.compose import compose
+def test_a_scheduler_without_load_or_postprocess_is_refused(reg):
+    with pytest.raises(RegistryError, match=r"scheduler 'old_shape': .*postprocess.*load"):
+        registry.add("scheduler", "old_shape", _NoLoad)
 
-    registry.add("scheduler", "no_max_seqs", _NoMaxSeqs)  # passes registration: attributes exist only when built
-    with pytest.raises(ConfigError, match="engine.scheduler: scheduler 'no_max_seqs': the built _NoMaxSeqs lacks "
-                                          "attributes max_num_seqs"):
-        build_engine(compose(["+recipe=generate", "engine.scheduler=no_max_seqs"]))
+
+def test_scheduler_load_is_a_snapshot():
+    from litellm_pipeline.engine.scheduler import FcfsScheduler
+    from litellm_pipeline.registry.types import SchedulerLoad
+
+    kv = SimpleNamespace(hot=None, block_size=16, commit=lambda req: committed.append(req))
+    committed: list = []
+    s = FcfsScheduler(kv, 4, 64)
+    a = SimpleNamespace(prompt_ids=[1, 2, 3], num_computed=0)
+    b = SimpleNamespace(prompt_ids=[1, 2], num_computed=2)
+    s.add(a)
+    s.running.append(b)
+    load = s.load()
+    assert load == SchedulerLoad((b,), (a,), 4) and load.in_flight == (b, a)
+    assert load.queued_prompt_tokens() == 3
+    s.waiting.clear()
+    assert load.waiting == (a,)  # a copy: what the reader holds does not move under it
+    s.postprocess([(a, 2), (b, 1)])
+    assert (a.num_computed, b.num_computed) == (2, 3) and committed == [a, b]
 
 
 # -- entry-point plugins are checked the same way ----------------------------------------------------------
@@ -368,3 +374,26 @@ def test_interface_checks_never_touch_the_step_path():
 
     for mod in (engine, sample):
         assert "interface_check" not in inspect.getsource(mod)
+
+
+def test_contracts_depend_on_nothing_below_them():
+    """The contracts load with the data types they name (registry.types) and no implementation: importing them
+    in a fresh interpreter imports no module that registers a built-in, and not torch."""
+    import subprocess
+
+    code = (
+        "import sys, litellm_pipeline.registry.interfaces as i; "
+        "print(' '.join(m for m in sys.modules if m.startswith('litellm_pipeline'))); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    loaded = set(out[0].split())
+    eager, lazy = registry.builtin_modules()
+    implementations = set(eager) | {m for by_name in lazy.values() for m in by_name.values()}
+    assert "litellm_pipeline.registry.types" in loaded
+    assert not loaded & implementations, sorted(loaded & implementations)
+    assert out[1] == "False"
+    # every data type a protocol names is importable from beside it, not only under TYPE_CHECKING
+    from litellm_pipeline.registry import types
+
+    for name in ("AttentionMetadata", "RoutePlan", "SamplingRow", "SamplerOutput", "Problem", "Solution", "Event"):
+        assert getattr(interfaces, name) is getattr(types, name)

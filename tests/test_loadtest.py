@@ -10,7 +10,14 @@ import sys
 import pytest
 
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.tasks.loadtest import LoadtestSettings, Trace, arrivals, load_settings, server_overrides, summarise
+from litellm_pipeline.tasks.loadtest import (
+    LoadtestSettings,
+    Trace,
+    arrivals,
+    load_settings,
+    server_overrides,
+    summarise,
+)
 
 
 def test_arrivals_are_seeded_poisson_and_bounded_in_time():

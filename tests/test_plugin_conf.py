@@ -14,9 +14,9 @@ from omegaconf import OmegaConf
 
 from litellm_pipeline import registry
 from litellm_pipeline.config.build import to_plain
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.config.compose import compose
 from litellm_pipeline.registry.filter import ENV_ALLOW, ENV_DENY
 
 ENTRY_POINTS = """

@@ -10,7 +10,12 @@ from fake_dists import write_dist
 
 from litellm_pipeline import registry
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.registry.filter import ENV_ALLOW, ENV_DENY, PluginFilter, env_names
+from litellm_pipeline.registry.filter import (
+    ENV_ALLOW,
+    ENV_DENY,
+    PluginFilter,
+    env_names,
+)
 
 # -- matching -------------------------------------------------------------------------------------------------
 
@@ -182,8 +187,8 @@ def test_config_deny_reaches_the_registry_before_any_lookup(filter_dist):
 ])
 def test_bad_plugins_section_is_one_clear_error(override, text):
     from litellm_pipeline.config.build import to_plain
-    from litellm_pipeline.config.schema import validate_config
     from litellm_pipeline.config.compose import compose
+    from litellm_pipeline.config.schema import validate_config
 
     with pytest.raises(ConfigError, match=text.replace("[", r"\[").replace("]", r"\]")):
         validate_config(to_plain(compose(["+recipe=generate", override])))

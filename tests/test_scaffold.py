@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.registry.interfaces import INTERFACES
 from litellm_pipeline.registry import KINDS as REGISTRY_KINDS
+from litellm_pipeline.registry.interfaces import INTERFACES
 from litellm_pipeline.tasks.new_plugin import KINDS, new_plugin, render
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,15 +11,15 @@ from test_hydra_config import _group_overrides
 
 from litellm_pipeline.bench.settings import bench_settings
 from litellm_pipeline.config.build import build_engine, to_plain
-from litellm_pipeline.tasks.eval import eval_settings
-from litellm_pipeline.tasks.train_demo import train_settings
-from litellm_pipeline.engine.engine import Engine
-from litellm_pipeline.tasks.faults import fault_settings
 from litellm_pipeline.config.compose import compose, known_recipes
+from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.tasks.budget_load import load_settings
-from litellm_pipeline.tasks.sweep import sweep_settings
 from litellm_pipeline.tasks.calibrate import calibrate_settings
+from litellm_pipeline.tasks.eval import eval_settings
+from litellm_pipeline.tasks.faults import fault_settings
+from litellm_pipeline.tasks.sweep import sweep_settings
+from litellm_pipeline.tasks.train_demo import train_settings
 
 TASK_SECTIONS = {"bench": bench_settings, "eval": eval_settings, "train_demo": train_settings, "faults": fault_settings,
                  "calibrate": calibrate_settings, "sweep": sweep_settings, "report": None,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from litellm_pipeline.config.build import build_engine, to_plain
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.engine.fair_scheduler import FairScheduler
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.config.compose import compose
 from litellm_pipeline.server.auth import ApiKeys, digest
 
 DIGEST = digest("sk-test")

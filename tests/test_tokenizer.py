@@ -7,7 +7,12 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from litellm_pipeline.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, build_byte_tokenizer
+from litellm_pipeline.text.tokenizer import (
+    IncrementalDetokenizer,
+    Tokenizer,
+    TokenizerError,
+    build_byte_tokenizer,
+)
 
 TEXTS = ["hello world", "héllo wörld", "你好，世界", "emoji 👋🏽 and 🙂!", "mixed 日本語 text 🚀 end", " lead", "a  b\n c"]
 CHAT = [{"role": "user", "content": "Hi there 👋"}, {"role": "assistant", "content": "Hello! 你好"}]

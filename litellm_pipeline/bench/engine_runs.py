@@ -11,7 +11,6 @@ from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.telemetry import MemorySink, PrefixLookup
 
 
-
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 

@@ -15,8 +15,8 @@ import math
 import threading
 import time
 
-from litellm_pipeline.telemetry.events import Event, RequestCosted, StepFinished
 from litellm_pipeline.budget.step_model import StepModel
+from litellm_pipeline.telemetry.events import Event, RequestCosted, StepFinished
 
 _CLIP = math.log(20.0)
 

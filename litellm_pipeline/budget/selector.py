@@ -18,11 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, get_args
 
-from litellm_pipeline.errors import InvalidRequestError
-from litellm_pipeline.budget.spec import LIMITS, BudgetSpec
-from litellm_pipeline.tiers.cost_model import CostModel, Prediction
 from litellm_pipeline.budget.latency import LatencyTracker
-from litellm_pipeline.budget.solvers import Option, Problem
+from litellm_pipeline.budget.spec import LIMITS, BudgetSpec
+from litellm_pipeline.errors import InvalidRequestError
+from litellm_pipeline.registry.types import Option, Problem
+from litellm_pipeline.tiers.cost_model import CostModel, Prediction
 from litellm_pipeline.tiers.tierset import TierSet
 
 Mode = Literal["fixed", "balanced", "deep", "max"]

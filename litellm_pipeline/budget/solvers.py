@@ -14,81 +14,10 @@ A solver is a class with ``solve(problem) -> Solution | None`` (None: not even t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from litellm_pipeline.registry import register
-
-
-@dataclass(frozen=True)
-class Option:
-    k: int  # the expert count this option stands for
-    costs: tuple[float, ...]  # one per constraint of the problem
-    value: float
-
-
-@dataclass(frozen=True)
-class Problem:
-    layers: tuple[tuple[Option, ...], ...]  # the options of each layer
-    limits: tuple[float | None, ...]  # per constraint: the most the summed costs may be (None: no limit)
-    base_costs: tuple[float, ...] = ()  # costs outside the layers, counted against the limits
-
-    def __post_init__(self) -> None:
-        n = len(self.limits)
-        if any(not opts for opts in self.layers):
-            raise ValueError("every layer needs at least one option")
-        if any(len(o.costs) != n for opts in self.layers for o in opts):
-            raise ValueError(f"every option needs {n} costs, one per limit")
-        if self.base_costs and len(self.base_costs) != n:
-            raise ValueError(f"base_costs needs {n} entries, one per limit")
-
-    def base(self) -> tuple[float, ...]:
-        return self.base_costs or (0.0,) * len(self.limits)
-
-    def fits(self, costs: tuple[float, ...]) -> bool:
-        return all(lim is None or c <= lim * (1 + 1e-12) for c, lim in zip(costs, self.limits))
-
-    def evaluate(self, choice: tuple[int, ...]) -> Solution:
-        costs = list(self.base())
-        value = 0.0
-        for opts, i in zip(self.layers, choice):
-            o = opts[i]
-            costs = [c + d for c, d in zip(costs, o.costs)]
-            value += o.value
-        return Solution(tuple(choice), tuple(costs), value)
-
-    def cheapest(self) -> Solution:
-        """The cheapest option in every layer (by the sum of its costs scaled by the limits)."""
-        scale = self._scales()
-        choice = tuple(min(range(len(opts)), key=lambda i: (_norm(opts[i].costs, scale), -opts[i].value))
-                       for opts in self.layers)
-        return self.evaluate(choice)
-
-    def _scales(self) -> tuple[float, ...]:
-        out = []
-        for j, lim in enumerate(self.limits):
-            if lim is not None and lim > 0:
-                out.append(1.0 / lim)
-            else:
-                top = sum(max(o.costs[j] for o in opts) for opts in self.layers)
-                out.append(1.0 / top if top > 0 else 0.0)
-        return tuple(out)
-
-
-@dataclass(frozen=True)
-class Solution:
-    choice: tuple[int, ...]  # per layer: the index of the chosen option
-    costs: tuple[float, ...]
-    value: float
-    exact: bool = True  # False: the exact solver had to thin its partial solutions (see ExactSolver)
-
-    def ks(self, problem: Problem) -> tuple[int, ...]:
-        return tuple(opts[i].k for opts, i in zip(problem.layers, self.choice))
-
-
-def _norm(costs: tuple[float, ...], scale: tuple[float, ...]) -> float:
-    return sum(c * s for c, s in zip(costs, scale))
+from litellm_pipeline.registry.types import Problem, Solution, _norm
 
 
 @register("budget_solver", "exact")

@@ -15,24 +15,27 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from litellm_pipeline import registry
+from litellm_pipeline.budget import BudgetSpec
+from litellm_pipeline.budget.selector import BudgetPolicy, Weights
 from litellm_pipeline.config.schema import AppConfig, PipelineSection, validate_config
 from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool
-from litellm_pipeline.engine.runtime import Runtime, allocate_kv_cache, kv_bytes_per_block
+from litellm_pipeline.engine.runtime import (
+    Runtime,
+    allocate_kv_cache,
+    kv_bytes_per_block,
+)
+from litellm_pipeline.engine.tenants import TenantLedger, TenantPolicy
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.registry.conformance import instance_error
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.expert_offload import ExpertOffload
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.telemetry import build_bus
-from litellm_pipeline.engine.tenants import TenantLedger, TenantPolicy
-from litellm_pipeline.budget import BudgetSpec
+from litellm_pipeline.text.tokenizer import Tokenizer
 from litellm_pipeline.tiers import resolve_tiers
 from litellm_pipeline.tiers.cost_model import CostModel
-from litellm_pipeline.budget.selector import BudgetPolicy, Weights
-from litellm_pipeline.text.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # what the engine provides before any stage runs, per level, and what it reads after the step stages
@@ -281,10 +284,6 @@ def build_from_app(app: AppConfig) -> Engine:
         kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus,
         **sched_kwargs,
     )
-    # what stages and telemetry read off the scheduler exists only once it is built
-    missing = instance_error("scheduler", app.engine.scheduler, scheduler)
-    if missing is not None:
-        raise ConfigError(f"engine.scheduler: {missing}")
     rt = Runtime(
         model=model,
         model_cfg=mc,

@@ -12,7 +12,11 @@ from typing import Annotated, Any, Literal, Mapping
 import pydantic
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from litellm_pipeline.errors import ConfigError, InvalidValueError, format_validation_error
+from litellm_pipeline.errors import (
+    ConfigError,
+    InvalidValueError,
+    format_validation_error,
+)
 from litellm_pipeline.sampling import SamplingParams
 
 

@@ -15,7 +15,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from litellm_pipeline.demo.skills import DEFAULT_EVAL_SEED, TASKS, Example, heldout, solve
+from litellm_pipeline.demo.skills import (
+    DEFAULT_EVAL_SEED,
+    TASKS,
+    Example,
+    heldout,
+    solve,
+)
 
 __all__ = ["CHECKPOINT_DIR", "demo_checkpoint", "demo_prompts", "solve"]
 

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 FAMILIES = ("mixtral", "qwen3_moe")
 
 

@@ -6,8 +6,9 @@ name the request, give it its generator and detokenizer and queue it — so a re
 
 Step path (``step``): the scheduler decides ``{request: tokens}``; the KV manager lays out where those
 tokens' K/V live; the step-level stages transform the step context (route → prefill → decode → sample →
-emit); then :meth:`Engine._postprocess` does the bookkeeping no stage may skip: computed tokens, KV
-commits, appended tokens, finishing and freeing.
+emit); then :meth:`Engine._postprocess` does the bookkeeping no stage may skip: the scheduler advances
+computed tokens and commits KV (it alone touches its queues and the KV of its requests: it also finishes and
+frees), the engine appends sampled tokens and decides which requests finish.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-from litellm_pipeline.engine.request import Request, RequestOutput, RequestStatus, request_output
+from litellm_pipeline.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    request_output,
+)
 from litellm_pipeline.engine.runtime import Runtime
 from litellm_pipeline.errors import InternalError, InvalidRequestError
 from litellm_pipeline.request_spec import Prompt, RequestSpec, to_spec
@@ -29,7 +35,6 @@ from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.stages.base import RequestContext, Stage, StepContext
 from litellm_pipeline.telemetry import (
     FirstToken,
-    TokensGenerated,
     RequestAborted,
     RequestAdmitted,
     RequestArrived,
@@ -38,6 +43,7 @@ from litellm_pipeline.telemetry import (
     RequestRejected,
     StepFinished,
     TierSelected,
+    TokensGenerated,
 )
 from litellm_pipeline.text.tokenizer import IncrementalDetokenizer, TokenizerError
 
@@ -156,22 +162,25 @@ class Engine:
         by one and only those that fail alone are finished with an error (``finish_reason="error"``); a
         request that can never be scheduled is finished with an error naming the blocks it needs.
         """
+        self._let_waiters_in()
+        with self._lock, torch.inference_mode():
+            t0 = time.perf_counter()
+            schedule = self.rt.scheduler.schedule()
+            outputs = self._execute(schedule) if schedule else self._unblock()
+            self._report(schedule, t0)
+            return outputs
+
+    def _let_waiters_in(self) -> None:
         if self._waiting and not self._lock._is_owned():  # another thread waits for the lock: it goes first
             with self._waiting_cv:
                 self._waiting_cv.wait_for(lambda: not self._waiting, timeout=_HANDOFF_WAIT_S)
-        with self._lock, torch.inference_mode():
-            t0 = time.perf_counter() if self.bus.enabled else 0.0
-            schedule = self.rt.scheduler.schedule()
-            if not schedule:
-                return self._unblock()
-            schedule.sort(key=lambda e: e[1] == 1)  # row order: prompt chunks first, then decodes
-            try:
-                outputs = self._run(schedule)
-            except Exception as exc:
-                outputs = self._isolate(schedule, exc)
-            if self.bus.enabled:
-                self._publish_step(schedule, t0)
-            return outputs
+
+    def _execute(self, schedule: list[tuple[Request, int]]) -> list[RequestOutput]:
+        schedule.sort(key=lambda e: e[1] == 1)  # row order: prompt chunks first, then decodes
+        try:
+            return self._run(schedule)
+        except Exception as exc:
+            return self._isolate(schedule, exc)
 
     def _run(self, schedule: list[tuple[Request, int]]) -> list[RequestOutput]:
         """The step stages over ``schedule`` and the postprocess; if a stage raises, the requests' sampling
@@ -233,9 +242,7 @@ class Engine:
         scheduled entry; for every sample, the token appended, the finish decided (the emit stage's, or
         the token limits, which always hold), finished requests freed."""
         rt = self.rt
-        for req, n in ctx.schedule:
-            req.num_computed += n
-            rt.kv.commit(req)  # newly full blocks become replayable prefixes
+        rt.scheduler.postprocess(ctx.schedule)
         emitted = {id(e.request): e for e in getattr(ctx, "emissions", ())}
         now = time.monotonic()
         outputs = []
@@ -302,18 +309,20 @@ class Engine:
             hold.settle(req)
         req.holds.clear()
 
-    def _publish_step(self, schedule: list[tuple[Request, int]], t0: float) -> None:
+    def _report(self, schedule: list[tuple[Request, int]], t0: float) -> None:
+        if not (schedule and self.bus.enabled):
+            return
         prefill = decode = 0
         for req, n in schedule:
             # tokens at positions before the prompt's end are prompt tokens, the rest generated ones
             prompt_part = max(0, min(n, len(req.prompt_ids) - (req.num_computed - n)))
             prefill += prompt_part
             decode += n - prompt_part
-        sched, pool = self.rt.scheduler, self.rt.pool
+        load, pool = self.rt.scheduler.load(), self.rt.pool
         self.bus.publish(
             StepFinished(
                 len(schedule), prefill, decode, time.perf_counter() - t0,
-                len(sched.running), len(sched.waiting), pool.num_free, pool.num_blocks - pool.num_free,
+                len(load.running), len(load.waiting), pool.num_free, pool.num_blocks - pool.num_free,
                 self._warm_used(),
             )
         )
@@ -358,9 +367,9 @@ class Engine:
                     hold.cancel()
             self._settle(req)
             if self.bus.enabled:
-                sched, pool = self.rt.scheduler, self.rt.pool
+                load, pool = self.rt.scheduler.load(), self.rt.pool
                 self.bus.publish(RequestAborted(
-                    req.request_id, req.tenant, len(req.output_ids), len(sched.running), len(sched.waiting),
+                    req.request_id, req.tenant, len(req.output_ids), len(load.running), len(load.waiting),
                     pool.num_blocks - pool.num_free, self._warm_used(),
                 ))
             return request_output(req)

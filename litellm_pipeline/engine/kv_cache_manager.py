@@ -25,7 +25,13 @@ import torch
 
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.request import Request
-from litellm_pipeline.telemetry import BlocksDemoted, BlocksEvicted, BlocksPromoted, EventBus, PrefixLookup
+from litellm_pipeline.telemetry import (
+    BlocksDemoted,
+    BlocksEvicted,
+    BlocksPromoted,
+    EventBus,
+    PrefixLookup,
+)
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], salt: str) -> bytes:

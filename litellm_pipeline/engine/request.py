@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from litellm_pipeline.budget import BudgetSpec
+from litellm_pipeline.budget.spec import CostRecord
 from litellm_pipeline.errors import InternalError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.budget import BudgetSpec
 from litellm_pipeline.tiers import TierSet
-from litellm_pipeline.budget.spec import CostRecord
 
 if TYPE_CHECKING:
     from litellm_pipeline.budget.selector import Selection

@@ -6,15 +6,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from litellm_pipeline.budget.selector import BudgetPolicy
 from litellm_pipeline.engine.block_pool import BlockPool
+from litellm_pipeline.engine.tenants import TenantLedger
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.telemetry import EventBus
-from litellm_pipeline.engine.tenants import TenantLedger
+from litellm_pipeline.text.tokenizer import Tokenizer
 from litellm_pipeline.tiers import TierSet
 from litellm_pipeline.tiers.cost_model import CostModel
-from litellm_pipeline.budget.selector import BudgetPolicy
-from litellm_pipeline.text.tokenizer import Tokenizer
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Literal
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request, RequestStatus
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import SchedulerLoad
 from litellm_pipeline.telemetry import EventBus, RequestPreempted, RequestScheduled
 
 
@@ -67,6 +68,16 @@ class FcfsScheduler:
     # ----
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def load(self) -> SchedulerLoad:
+        return SchedulerLoad(tuple(self.running), tuple(self.waiting), self.max_num_seqs)
+
+    def postprocess(self, schedule: list[tuple[Request, int]]) -> None:
+        """The step ran: each scheduled request has its tokens computed; newly full blocks become replayable
+        prefixes."""
+        for req, n in schedule:
+            req.num_computed += n
+            self.kv.commit(req)
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)

@@ -32,7 +32,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
-from litellm_pipeline.errors import InvalidRequestError, OverloadedError, RateLimitedError
+from litellm_pipeline.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    RateLimitedError,
+)
 
 if TYPE_CHECKING:
     from litellm_pipeline.engine.request import Request

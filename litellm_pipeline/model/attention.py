@@ -13,8 +13,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
 
 
 class _Workspace:

@@ -22,8 +22,8 @@ import torch
 
 from litellm_pipeline.model import cpu_kernels
 from litellm_pipeline.model.attention import sdpa_paged_attention, sdpa_prefill_chunk
-from litellm_pipeline.model.batch import AttentionMetadata
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import AttentionMetadata
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Prefill chunks up to these lengths go through the kernel, longer ones through torch SDPA. Measured on

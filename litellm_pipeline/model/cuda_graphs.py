@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.registry.types import AttentionMetadata
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 MIN_CONTEXT_BUCKET = 64

@@ -9,12 +9,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from litellm_pipeline.model.attention_cpu import cpu_paged_attention
-from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.config import ModelConfig
+from litellm_pipeline.model.layers import (
+    REFERENCE_OPS,
+    Attention,
+    DecoderLayer,
+    GatedMLP,
+    RMSNorm,
+    SparseMoE,
+    _param,
+)
 from litellm_pipeline.model.moe import fused_dispatch
-from litellm_pipeline.model.layers import REFERENCE_OPS, Attention, DecoderLayer, GatedMLP, RMSNorm, SparseMoE, _param
-from litellm_pipeline.model.weight_arena import pack_weights
 from litellm_pipeline.model.rope import RotaryEmbedding
+from litellm_pipeline.model.weight_arena import pack_weights
+from litellm_pipeline.registry.types import AttentionMetadata, RoutePlan
 
 
 class CausalLM(nn.Module):

@@ -38,10 +38,10 @@ import torch.nn.functional as F
 
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model import cpu_kernels
-from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.moe import route_tokens
 from litellm_pipeline.model.rope import apply_rotary
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import RoutePlan
 
 
 def row_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -11,9 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
-from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
 from litellm_pipeline.model.expert_offload import offloaded_experts, predict_experts
 from litellm_pipeline.model.layer_ops import TorchLayerOps
+from litellm_pipeline.registry.types import AttentionMetadata, RoutePlan
 
 
 def _param(*shape: int) -> nn.Parameter:

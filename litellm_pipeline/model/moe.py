@@ -14,8 +14,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import RoutePlan
 
 
 def route_tokens(

@@ -3,7 +3,7 @@
 Select it with ``pipeline.stages.decode.params.attention=triton_paged`` (with ``layer_ops=torch``, or any layer ops
 that call the attention entry). Its module is imported only when a config names it (``registry.LAZY_MARK``).
 
-Layouts (as the engine hands them over, see :mod:`litellm_pipeline.model.batch`): ``q`` ``[T, Hq, D]`` and
+Layouts (as the engine hands them over, see :mod:`litellm_pipeline.registry.types`): ``q`` ``[T, Hq, D]`` and
 ``k``/``v`` ``[T, Hk, D]``, possibly strided views of one fused projection (every kernel takes all strides);
 ``k_cache``/``v_cache`` ``[num_slots, Hk, D]``, flat slot tensors (slot ``s`` of block ``b`` is
 ``b * block_size + s``). Query head ``h`` reads KV head ``h // (Hq // Hk)`` (GQA; MQA when ``Hk == 1``). The output
@@ -52,9 +52,13 @@ import math
 
 import torch
 
-from litellm_pipeline.model.batch import AttentionMetadata
-from litellm_pipeline.model.triton_common import check_device, interpreting, require_triton
+from litellm_pipeline.model.triton_common import (
+    check_device,
+    interpreting,
+    require_triton,
+)
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import AttentionMetadata
 
 triton = require_triton()
 import triton.language as tl  # noqa: E402  (after require_triton: a missing package gets the install hint)

@@ -33,7 +33,11 @@ from __future__ import annotations
 
 import torch
 
-from litellm_pipeline.model.triton_common import check_device, interpreting, require_triton
+from litellm_pipeline.model.triton_common import (
+    check_device,
+    interpreting,
+    require_triton,
+)
 from litellm_pipeline.registry import register
 
 triton = require_triton()

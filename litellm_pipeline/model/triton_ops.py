@@ -55,7 +55,11 @@ import contextlib
 import torch
 
 from litellm_pipeline.model.layer_ops import TorchLayerOps
-from litellm_pipeline.model.triton_common import check_device, interpreting, require_triton
+from litellm_pipeline.model.triton_common import (
+    check_device,
+    interpreting,
+    require_triton,
+)
 from litellm_pipeline.registry import register
 
 triton = require_triton()

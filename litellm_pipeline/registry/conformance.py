@@ -3,8 +3,8 @@
 What can be checked without running anything: the entry's form (a class, or a Python function for the function
 kinds), every method the protocol declares (present, callable, not abstract, and accepting the positional
 arguments the engine passes), class attributes (and their values, for stages), and that the constructor accepts
-what the builder passes. Instance attributes (a scheduler's ``running``) exist only once the object is built, so
-:func:`instance_error` checks them at build time. Nothing here runs on the per-token path.
+what the builder passes. No protocol asks for instance attributes: what the engine reads of an entry, it reads
+through a method. Nothing here runs on the per-token path.
 
 Form comes first for a reason: config is trusted code, but a typo (or ``os:system``) in a
 ``"pkg.mod:Attr"`` name must never be called with the engine's arguments.
@@ -182,15 +182,3 @@ def conformance_error(kind: str, name: str, obj: Any) -> str | None:
     if not problems:
         return None
     return f"{kind} {name!r}: {'; '.join(problems)} ({_where(obj)} does not satisfy {iface.qualname})"
-
-
-def instance_error(kind: str, name: str, obj: Any) -> str | None:
-    """At build time: the instance attributes the engine reads (a scheduler's ``running``, ``waiting``, ...)."""
-    iface = INTERFACES.get(kind)
-    if iface is None:
-        return None
-    missing = [a for a in members(iface.protocol).instance_attrs if not hasattr(obj, a)]
-    if not missing:
-        return None
-    return (f"{kind} {name!r}: the built {type(obj).__qualname__} lacks attributes {', '.join(missing)} "
-            f"(set them in __init__; see {iface.qualname})")

@@ -20,16 +20,31 @@ Kinds whose entries are plain functions (``attention``, ``moe_dispatch``) are wr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Protocol, Sequence, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Mapping,
+    Protocol,
+    Sequence,
+    runtime_checkable,
+)
 
-if TYPE_CHECKING:
+from litellm_pipeline.registry.types import (
+    AttentionMetadata,
+    Event,
+    Problem,
+    RoutePlan,
+    SamplerOutput,
+    SamplingRow,
+    SchedulerLoad,
+    Solution,
+)
+
+if TYPE_CHECKING:  # torch (and the Request, which holds a torch generator) only annotate: the registry stays cheap
     import torch
 
     from litellm_pipeline.engine.request import Request
-    from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan
-    from litellm_pipeline.sampling.samplers import SamplerOutput, SamplingRow
-    from litellm_pipeline.telemetry.events import Event
-    from litellm_pipeline.budget.solvers import Problem, Solution
 
 __all__ = [
     "PipelineStage", "TextFilter", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
@@ -138,7 +153,7 @@ class Attention(Protocol):
         ``q`` ``[T, Hq, D]``, ``k``/``v`` ``[T, Hk, D]`` (``Hq`` a multiple of ``Hk``: grouped-query attention),
         rotated already, activation dtype, on the device. ``k_cache``/``v_cache`` ``[num_blocks * block_size, Hk,
         D]``, same dtype. ``meta``: ``slot_mapping`` ``[T]`` (where token ``t`` writes), ``prefills`` (one
-        :class:`~litellm_pipeline.model.batch.SeqAttention` per multi-token entry: its rows and the slots of its
+        :class:`~litellm_pipeline.registry.types.SeqAttention` per multi-token entry: its rows and the slots of its
         whole context), and for the one-token entries ``decode_rows`` ``[B]``, ``decode_kv_slots`` ``[B, Lmax]``
         (padded) and ``decode_ctx_lens`` ``[B]``. Returns ``[T, Hq, D]`` in ``q``'s dtype and device.
 
@@ -267,7 +282,7 @@ class Router(Protocol):
         """Once per step, with the step's ``[(request, num_new_tokens)]`` in row order.
 
         Returns None (every token uses the checkpoint's own routing), one
-        :class:`~litellm_pipeline.model.batch.RoutePlan` for all layers, or a tuple with one entry per decoder
+        :class:`~litellm_pipeline.registry.types.RoutePlan` for all layers, or a tuple with one entry per decoder
         layer. A plan's ``top_k`` is ``[T]`` long (or None: ``max_k`` for every token) and ``allowed`` ``[T, E]``
         bool, on the model's device, with ``T = sum(num_new_tokens)``; ``max_k`` is a plain int (``max(top_k)``).
 
@@ -386,16 +401,10 @@ class Scheduler(Protocol):
     :class:`litellm_pipeline.engine.scheduler.FcfsScheduler` and change its ordering (``add``, ``requeue``,
     ``victim``) rather than starting from nothing: it already grows, preempts and frees KV correctly.
 
-    The instance attributes are read outside the scheduler (the admit stage's queue quota, select_tier's load
-    estimate, step telemetry) and are checked on the built object.
+    The scheduler alone owns a request's place in the queues and its KV from ``add`` to ``finish``: nothing else
+    reads or changes its queues; whoever must judge the load (the admit stage's queue quota, select_tier's batch
+    and wait estimates, step telemetry) asks :meth:`load`.
     """
-
-    running: list[Request]
-    """Requests holding KV and scheduled each step."""
-    waiting: Any
-    """Queued requests (sized, iterable, supports ``in``)."""
-    max_num_seqs: int
-    """The most requests in one step."""
 
     def add(self, req: Request) -> None:
         """A request passed every request-level stage: queue it."""
@@ -406,6 +415,13 @@ class Scheduler(Protocol):
         tokens in all. Every entry's KV blocks are grown through ``kv`` to hold ``num_computed + n`` tokens
         before it is returned; a request preempted to make room has its KV freed or swapped and is queued
         again. An empty list means nothing can run now (the engine then asks :meth:`blocked`)."""
+
+    def postprocess(self, schedule: list[tuple[Request, int]]) -> None:
+        """After the step's stages ran on ``schedule``: advance every entry's ``num_computed`` by its ``n`` and
+        commit its KV through ``kv`` (newly full blocks become replayable prefixes)."""
+
+    def load(self) -> SchedulerLoad:
+        """A snapshot of the queues: running and waiting requests (in order) and ``max_num_seqs``."""
 
     def blocked(self) -> tuple[Request, str] | None:
         """After an empty schedule: the waiting request that can never start and why (the engine ends it with

@@ -29,7 +29,9 @@ from dataclasses import dataclass
 from importlib import metadata, resources
 from typing import Any, List, Mapping, Optional
 
-from hydra._internal.core_plugins.importlib_resources_config_source import ImportlibResourcesConfigSource
+from hydra._internal.core_plugins.importlib_resources_config_source import (
+    ImportlibResourcesConfigSource,
+)
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 

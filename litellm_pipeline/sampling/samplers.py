@@ -15,36 +15,17 @@ when no row needs it; the only host sync is the final ``.tolist()`` the engine n
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from litellm_pipeline.model import cpu_kernels
 from litellm_pipeline.registry import register
-from litellm_pipeline.sampling.params import SamplingParams
+from litellm_pipeline.registry.types import SamplerOutput, SamplingRow
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "GreedySampler", "apply_penalties"]
 
 _MIN_TEMPERATURE = 1e-5  # logits / T must stay finite for tiny non-zero temperatures
-
-
-@dataclass
-class SamplingRow:
-    """What the sampler needs about one request for this step (row ``i`` of the logits)."""
-
-    params: SamplingParams
-    generator: torch.Generator | None  # seeded from params.seed; None for greedy (or: use torch's global RNG)
-    prompt_ids: Sequence[int] | torch.Tensor  # for the repetition penalty
-    output_ids: Sequence[int] | torch.Tensor  # tokens generated so far (all penalties)
-
-
-@dataclass
-class SamplerOutput:
-    """One token id per row, and per row the logprobs dict (``{token id: logprob}``) or None."""
-
-    token_ids: list[int]
-    logprobs: list[dict[int, float] | None]
 
 
 def _host_tensor(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

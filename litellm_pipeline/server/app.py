@@ -21,16 +21,28 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from litellm_pipeline.config.schema import ServerSection
 from litellm_pipeline.engine.async_engine import AsyncEngine
 from litellm_pipeline.engine.engine import Engine
-from litellm_pipeline.errors import InternalError, InvalidRequestError, NotFoundError, RequestError
+from litellm_pipeline.engine.tenants import reserved_tokens
+from litellm_pipeline.errors import (
+    InternalError,
+    InvalidRequestError,
+    NotFoundError,
+    RequestError,
+)
 from litellm_pipeline.server.errors import install_error_handlers, request_error_body
 from litellm_pipeline.server.fanin import FanIn
 from litellm_pipeline.server.gate import Gate, GateState
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
-from litellm_pipeline.server.responses import ChoiceState, TokenText, chat_body, chunk, completion_body, usage
+from litellm_pipeline.server.responses import (
+    ChoiceState,
+    TokenText,
+    chat_body,
+    chunk,
+    completion_body,
+    usage,
+)
 from litellm_pipeline.server.specs import Choice, Limits, chat_specs, completion_specs
 from litellm_pipeline.telemetry import RequestRejected
 from litellm_pipeline.telemetry.prometheus import CONTENT_TYPE_LATEST, PrometheusSink
-from litellm_pipeline.engine.tenants import reserved_tokens
 
 __all__ = ["build_app", "metrics_sink"]
 

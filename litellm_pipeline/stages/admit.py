@@ -11,10 +11,10 @@ request that the engine cancels if a later stage rejects it and settles when the
 from __future__ import annotations
 
 from litellm_pipeline.engine.scheduler import blocks_for
+from litellm_pipeline.engine.tenants import reserved_tokens
 from litellm_pipeline.errors import InvalidRequestError
 from litellm_pipeline.registry import register
 from litellm_pipeline.stages.base import RequestContext, Stage
-from litellm_pipeline.engine.tenants import reserved_tokens
 
 
 @register("stage", "admit")
@@ -48,7 +48,7 @@ class Admit(Stage):
             )
         ledger = rt.tenants
         if ledger is not None:
-            hold = ledger.reserve(req, total, rt.scheduler.waiting)
+            hold = ledger.reserve(req, total, rt.scheduler.load().waiting)
             if hold is not None:
                 req.holds.append(hold)
         ctx.admitted = True

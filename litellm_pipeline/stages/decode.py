@@ -14,10 +14,11 @@ from collections.abc import Mapping
 import torch
 
 from litellm_pipeline import registry
-from litellm_pipeline.model.attention_cpu import kernel as cpu_paged_kernel, kernel_error
-from litellm_pipeline.model.batch import AttentionMetadata
+from litellm_pipeline.model.attention_cpu import kernel as cpu_paged_kernel
+from litellm_pipeline.model.attention_cpu import kernel_error
 from litellm_pipeline.model.cuda_graphs import CudaGraphBackend, decode_graphs
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import AttentionMetadata
 from litellm_pipeline.stages.base import Stage, StepContext
 
 

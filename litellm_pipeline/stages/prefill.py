@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from litellm_pipeline.engine.request import Request
-from litellm_pipeline.model.batch import SeqAttention
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import SeqAttention
 from litellm_pipeline.stages.base import Stage, StepContext
 
 

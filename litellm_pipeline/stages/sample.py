@@ -7,7 +7,7 @@ import inspect
 from litellm_pipeline import registry
 from litellm_pipeline.engine.request import Sample as SampledToken
 from litellm_pipeline.registry import register
-from litellm_pipeline.sampling.samplers import SamplingRow
+from litellm_pipeline.registry.types import SamplingRow
 from litellm_pipeline.stages.base import Stage, StepContext
 
 

@@ -13,11 +13,18 @@ import math
 import time
 
 from litellm_pipeline import registry
+from litellm_pipeline.budget.latency import LatencyTracker
+from litellm_pipeline.budget.selector import (
+    MODES,
+    Load,
+    Mode,
+    TierSetSelector,
+    budget_text,
+)
 from litellm_pipeline.errors import InvalidRequestError, OverloadedError
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import SchedulerLoad
 from litellm_pipeline.stages.base import RequestContext, Stage
-from litellm_pipeline.budget.latency import LatencyTracker
-from litellm_pipeline.budget.selector import MODES, Load, Mode, TierSetSelector, budget_text
 
 
 @register("stage", "select_tier")
@@ -59,9 +66,10 @@ class SelectTier(Stage):
             req.budget = rt.budget.default
         prompt = len(req.prompt_ids)
         max_tokens = min(req.params.max_tokens, rt.max_model_len - prompt)
-        load = self._load()
+        held = rt.scheduler.load()
+        load = self._load(held)
         if self.tracker is not None:
-            self._protect_admitted(load, prompt)
+            self._protect_admitted(held, load, prompt)
         sel = self.selector.select(req.tier, req.budget, prompt, max_tokens, load)
         req.tierset, req.selection = sel.tierset, sel
         req.budget_max_tokens = self._affordable(req, sel.tierset, prompt)
@@ -86,16 +94,14 @@ class SelectTier(Stage):
             )
         return None if n == math.inf else int(n)
 
-    def _protect_admitted(self, load: Load, prompt_tokens: int) -> None:
+    def _protect_admitted(self, sched: SchedulerLoad, load: Load, prompt_tokens: int) -> None:
         """Refuse a new request (OverloadedError, 503) if what it adds to the steps of the requests already in
         flight (its prefill once, and one more decode row in every step) would push one of them past its latency
         budget when that request would keep it otherwise: under overload the requests admitted first keep their
         budgets instead of every request missing them. A request in flight also waits through the prompt work
         already queued (chunks share its steps), and every step is measured with what the serving loop spends
         between steps."""
-        sched = self.rt.scheduler
-        inflight = [r for r in (*sched.running, *sched.waiting)
-                    if r.budget is not None and r.budget.latency_cost_ms is not None]
+        inflight = [r for r in sched.in_flight if r.budget is not None and r.budget.latency_cost_ms is not None]
         if not inflight:
             return
         default = self.selector.default
@@ -104,7 +110,7 @@ class SelectTier(Stage):
         before = self.selector.predict(default, 1, 1, Load(batch=max(1, ahead))).per_token_ms
         after = self.selector.predict(default, 1, 1, Load(batch=load.batch)).per_token_ms
         prefill_ms = self.selector.prefill_ms(prompt_tokens)
-        queued_ms = self.selector.prefill_ms(_queued_prompt_tokens(sched))
+        queued_ms = self.selector.prefill_ms(sched.queued_prompt_tokens())
         for r in inflight:
             left_ms = (r.arrival - now) * 1e3 + r.budget.latency_cost_ms * self.selector.plan_share - queued_ms
             steps = _output_left(r) + (0 if r.num_computed >= len(r.prompt_ids) else 1)
@@ -116,25 +122,20 @@ class SelectTier(Stage):
                     f"{left_ms:.3g} ms of its budget left); retry later"
                 )
 
-    def _load(self) -> Load:
+    def _load(self, sched: SchedulerLoad) -> Load:
         """The batch a new request joins and the time before its prefill starts: the prompt work queued ahead
         of it at the default tier's prefill cost, plus, when every sequence slot is taken, the decode steps until
         one frees for it (the running and waiting requests ahead each hold a slot for their remaining output
         tokens, first come first served) at the predicted step time of a full batch."""
-        sched = self.rt.scheduler
-        running, waiting = list(sched.running), list(sched.waiting)
+        running, waiting = sched.running, sched.waiting
         slots = sched.max_num_seqs
         batch = min(len(running) + len(waiting) + 1, slots)
         default = self.selector.default
-        wait_ms = self.selector.prefill_ms(_queued_prompt_tokens(sched))
+        wait_ms = self.selector.prefill_ms(sched.queued_prompt_tokens())
         if len(running) + len(waiting) >= slots:
             step_ms = self.selector.predict(default, 1, 1, Load(batch=slots)).per_token_ms
             wait_ms += steps_until_free_slot(running, waiting, slots) * step_ms
         return Load(batch=batch, wait_ms=wait_ms)
-
-
-def _queued_prompt_tokens(sched) -> int:
-    return sum(max(0, len(r.prompt_ids) - r.num_computed) for r in (*sched.running, *sched.waiting))
 
 
 def _output_left(req) -> int:

@@ -20,7 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from litellm_pipeline.errors import InvalidRequestError, OverloadedError, section_settings
+from litellm_pipeline.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    section_settings,
+)
 from litellm_pipeline.sampling import SamplingParams
 
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
 from litellm_pipeline.errors import ConfigError, section_settings
-from litellm_pipeline.model.batch import AttentionMetadata, RoutePlan, SeqAttention
+from litellm_pipeline.registry.types import AttentionMetadata, RoutePlan, SeqAttention
 from litellm_pipeline.sampling import SamplingParams
 
 # prompts for a checkpoint that is not the demo model (any text the tokenizer takes)

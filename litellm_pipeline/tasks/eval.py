@@ -14,7 +14,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
-from litellm_pipeline.demo.skills import DEFAULT_EVAL_SEED, TASKS, Example, check_tasks, heldout
+from litellm_pipeline.demo.skills import (
+    DEFAULT_EVAL_SEED,
+    TASKS,
+    Example,
+    check_tasks,
+    heldout,
+)
 from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.sampling import SamplingParams
 

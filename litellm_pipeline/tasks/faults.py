@@ -241,7 +241,7 @@ class FaultRun:
 
     # ---- checks
     def _state(self) -> tuple:
-        sched = self.engine.rt.scheduler
+        sched = self.engine.rt.scheduler.load()
         return len(self.engine.requests), len(sched.waiting), len(sched.running), self.engine.rt.pool.num_free
 
     def run(self, num_ops: int, max_steps: int) -> None:
@@ -298,7 +298,6 @@ class FaultRun:
 
 def run_fault_suite(s: FaultSettings, model: str | None = None, log: Callable[[str], None] = print) -> dict:
     """Run ``s.runs`` random runs; returns totals and every invariant violation found."""
-    from litellm_pipeline import LLM
 
     rng = random.Random(s.seed)
     engine_log = logging.getLogger("litellm_pipeline.engine.engine")

@@ -6,7 +6,13 @@ else keeps counters. With only the ``none`` sink the bus is disabled and publish
 (one attribute test per site), so the per-token path pays nothing.
 """
 
-from litellm_pipeline.telemetry.bus import EventBus, MemorySink, NullSink, Sink, build_bus
+from litellm_pipeline.telemetry.bus import (
+    EventBus,
+    MemorySink,
+    NullSink,
+    Sink,
+    build_bus,
+)
 from litellm_pipeline.telemetry.events import *  # noqa: F401,F403
 from litellm_pipeline.telemetry.events import __all__ as _event_names
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from litellm_pipeline.registry.types import Event
+
 __all__ = [
     "Event",
     "RequestArrived",
@@ -30,11 +32,6 @@ __all__ = [
     "BlocksPromoted",
     "StepFinished",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class Event:
-    kind: ClassVar[str] = "event"
 
 
 @dataclass(frozen=True, slots=True)

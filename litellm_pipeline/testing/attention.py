@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
+from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
 from litellm_pipeline.testing._support import describe, resolve
 
 # Stated tolerances of the output against the float64 reference (|out - ref| <= atol + rtol * |ref|): float32

@@ -18,8 +18,8 @@ import itertools
 import random
 from typing import Iterator
 
+from litellm_pipeline.registry.types import Option, Problem, Solution
 from litellm_pipeline.testing._support import describe, resolve
-from litellm_pipeline.budget.solvers import Option, Problem, Solution
 
 _EPS = 1e-9
 

@@ -23,7 +23,11 @@ from typing import Any
 
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.testing._support import (
-    assert_drained, build_llm, config_name, describe, resolve,
+    assert_drained,
+    build_llm,
+    config_name,
+    describe,
+    resolve,
 )
 
 

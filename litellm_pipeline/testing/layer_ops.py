@@ -26,8 +26,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from litellm_pipeline.model.batch import RoutePlan
-from litellm_pipeline.testing._support import DEMO_PROMPTS, build_llm, config_name, describe, resolve
+from litellm_pipeline.registry.types import RoutePlan
+from litellm_pipeline.testing._support import (
+    DEMO_PROMPTS,
+    build_llm,
+    config_name,
+    describe,
+    resolve,
+)
 
 # (atol, rtol) against float64 math; linear's atol is scaled by sqrt(K) (the size of a sum of K rounded
 # products). The half types round every output (2^-8 relative for bfloat16) and may round intermediate steps too.

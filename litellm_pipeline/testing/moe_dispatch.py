@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from litellm_pipeline.model.layer_ops import TorchLayerOps
-from litellm_pipeline.testing._support import DEMO_PROMPTS, build_llm, config_name, describe, resolve
+from litellm_pipeline.testing._support import (
+    DEMO_PROMPTS,
+    build_llm,
+    config_name,
+    describe,
+    resolve,
+)
 from litellm_pipeline.testing.layer_ops import TOLERANCES
 
 

@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import torch
 
+from litellm_pipeline.registry.types import SamplingRow
 from litellm_pipeline.sampling import SamplingParams
-from litellm_pipeline.sampling.samplers import SamplingRow
 from litellm_pipeline.testing._support import describe, resolve
 
 V = 40

@@ -2,8 +2,8 @@
 
 The contract (``litellm_pipeline/engine/scheduler.py``): a class built as ``cls(kv, max_num_seqs,
 max_num_batched_tokens, preemption, bus=bus)`` (plus ``weights=`` if it takes them) with ``add(req)``, ``schedule()
--> [(request, num_new_tokens), ...]``, ``finish(req)``, ``has_unfinished()``, ``blocked()`` and the ``running`` /
-``waiting`` collections. Subclassing ``FcfsScheduler`` and changing the order is the easy way. Every plan must:
+-> [(request, num_new_tokens), ...]``, ``postprocess(plan)``, ``finish(req)``, ``load()``, ``has_unfinished()`` and
+``blocked()``. Subclassing ``FcfsScheduler`` and changing the order is the easy way. Every plan must:
 
 * hold each request at most once, none finished or still swapped out, each with ``1 <= n <=`` its tokens left;
 * stay within ``max_num_batched_tokens`` and ``max_num_seqs``;
@@ -19,7 +19,13 @@ from typing import Any, Sequence
 
 from litellm_pipeline.telemetry import MemorySink
 from litellm_pipeline.testing._support import (
-    DEMO_PROMPTS, assert_drained, build_llm, config_name, describe, resolve, run_to_completion,
+    DEMO_PROMPTS,
+    assert_drained,
+    build_llm,
+    config_name,
+    describe,
+    resolve,
+    run_to_completion,
 )
 
 TIGHT = ("cache.block_size=4", "cache.num_blocks=10", "engine.max_num_seqs=4", "engine.max_num_batched_tokens=16")

@@ -15,7 +15,12 @@ from typing import Any, Sequence
 
 from litellm_pipeline.telemetry import MemorySink
 from litellm_pipeline.testing._support import (
-    DEMO_PROMPTS, assert_drained, build_llm, config_name, describe, resolve,
+    DEMO_PROMPTS,
+    assert_drained,
+    build_llm,
+    config_name,
+    describe,
+    resolve,
 )
 
 MAX_STEPS = 2000

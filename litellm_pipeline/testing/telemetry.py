@@ -13,7 +13,13 @@ import typing
 from typing import Any
 
 from litellm_pipeline.telemetry import MemorySink, events
-from litellm_pipeline.testing._support import assert_drained, build_llm, describe, resolve, run_to_completion
+from litellm_pipeline.testing._support import (
+    assert_drained,
+    build_llm,
+    describe,
+    resolve,
+    run_to_completion,
+)
 
 
 def _value(tp: Any) -> Any:

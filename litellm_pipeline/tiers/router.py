@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from litellm_pipeline.engine.request import Request
-from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.registry import register
+from litellm_pipeline.registry.types import RoutePlan
 
 
 @register("router", "tierset")

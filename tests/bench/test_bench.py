@@ -13,14 +13,19 @@ import sys
 import time
 
 import pytest
+import torch
 
 from litellm_pipeline.bench import roofline
+from litellm_pipeline.bench.checkpoints import random_weights
 from litellm_pipeline.bench.models import param_counts, resolve_model
 from litellm_pipeline.bench.settings import bench_settings
-from litellm_pipeline.bench.workload import FIRST_BYTE_ID, LAST_BYTE_ID, make_workload, percentile
-from litellm_pipeline.bench.checkpoints import random_weights
+from litellm_pipeline.bench.workload import (
+    FIRST_BYTE_ID,
+    LAST_BYTE_ID,
+    make_workload,
+    percentile,
+)
 from litellm_pipeline.errors import ConfigError
-import torch
 
 TINY = [
     "bench.dtypes=[float32]",

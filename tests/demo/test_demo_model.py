@@ -17,7 +17,14 @@ from safetensors.torch import load_file
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.demo import CHECKPOINT_DIR, demo_checkpoint, demo_prompts
 from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
-from litellm_pipeline.demo.skills import TASKS, Example, heldout, solve, split_of, training_stream
+from litellm_pipeline.demo.skills import (
+    TASKS,
+    Example,
+    heldout,
+    solve,
+    split_of,
+    training_stream,
+)
 from litellm_pipeline.demo.tokenizer import EOS_ID, build_char_tokenizer
 from litellm_pipeline.tasks.train_demo import TrainSettings, encode_batch, train
 

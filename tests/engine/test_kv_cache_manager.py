@@ -8,7 +8,11 @@ from array import array
 import torch
 
 from litellm_pipeline.engine.block_pool import BlockPool
-from litellm_pipeline.engine.kv_cache_manager import KVCacheManager, WarmPool, hash_block
+from litellm_pipeline.engine.kv_cache_manager import (
+    KVCacheManager,
+    WarmPool,
+    hash_block,
+)
 from litellm_pipeline.engine.request import Request
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.telemetry import EventBus, MemorySink, PrefixLookup

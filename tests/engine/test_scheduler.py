@@ -12,7 +12,12 @@ from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request, RequestStatus
 from litellm_pipeline.engine.scheduler import FcfsScheduler, PriorityScheduler
 from litellm_pipeline.request_spec import RequestSpec
-from litellm_pipeline.telemetry import EventBus, MemorySink, RequestPreempted, RequestScheduled
+from litellm_pipeline.telemetry import (
+    EventBus,
+    MemorySink,
+    RequestPreempted,
+    RequestScheduled,
+)
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -11,9 +11,13 @@ import pytest
 from _engine_util import assert_pool_empty, greedy
 
 from litellm_pipeline import LLM, SamplingParams
-from litellm_pipeline.errors import InvalidRequestError, OverloadedError, RateLimitedError
-from litellm_pipeline.telemetry.prometheus import PrometheusSink
 from litellm_pipeline.engine.tenants import TenantLedger, TenantPolicy
+from litellm_pipeline.errors import (
+    InvalidRequestError,
+    OverloadedError,
+    RateLimitedError,
+)
+from litellm_pipeline.telemetry.prometheus import PrometheusSink
 
 PROMPT = "12+345="
 

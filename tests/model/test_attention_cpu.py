@@ -13,7 +13,7 @@ import torch
 from litellm_pipeline import LLM, SamplingParams, registry
 from litellm_pipeline.model import attention_cpu
 from litellm_pipeline.model.attention import sdpa_paged_attention
-from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention
+from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
 
 BLOCK = 16
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),

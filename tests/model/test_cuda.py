@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import hf_generate, random_prompts
+
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.telemetry import MemorySink, RequestPreempted
 

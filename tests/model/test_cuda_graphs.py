@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from litellm_pipeline import SamplingParams
-from litellm_pipeline.model.cuda_graphs import batch_buckets, context_buckets, decode_graphs
+from litellm_pipeline.model.cuda_graphs import (
+    batch_buckets,
+    context_buckets,
+    decode_graphs,
+)
 from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,7 +10,12 @@ import torch
 
 from litellm_pipeline import SamplingParams
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.model.expert_offload import ExpertOffload, ExpertStore, OffloadStats, predict_experts
+from litellm_pipeline.model.expert_offload import (
+    ExpertOffload,
+    ExpertStore,
+    OffloadStats,
+    predict_experts,
+)
 from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -10,7 +10,12 @@ import torch
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.llm import LLM
 from litellm_pipeline.model import cpu_kernels
-from litellm_pipeline.model.int8_ops import INT8_KERNEL_MAX_ROWS, Int8LayerOps, dequant_linear, quantize_rows
+from litellm_pipeline.model.int8_ops import (
+    INT8_KERNEL_MAX_ROWS,
+    Int8LayerOps,
+    dequant_linear,
+    quantize_rows,
+)
 from litellm_pipeline.model.layers import Attention, GatedMLP, SparseMoE
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.testing._support import DEMO_PROMPTS, build_llm

@@ -11,8 +11,8 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-
 from hf_models import hf_generate, random_prompts
+
 from litellm_pipeline import LLM, SamplingParams, registry
 from litellm_pipeline.model import cpu_kernels, layer_ops
 from litellm_pipeline.model.layer_ops import CpuFusedLayerOps, TorchLayerOps
@@ -276,8 +276,8 @@ def test_whole_model_decode_takes_steps_that_mix_tiers(hf_checkpoint, team, monk
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_fused_route_with_tierset_limits_equals_the_reference(fused, dtype):
-    from litellm_pipeline.model.batch import RoutePlan
     from litellm_pipeline.model.moe import route_tokens
+    from litellm_pipeline.registry.types import RoutePlan
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(40, 32, generator=g).to(dtype)

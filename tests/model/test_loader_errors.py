@@ -64,7 +64,7 @@ def test_garbage_weights_header(ckpt):
 
 
 def test_missing_shard_named(ckpt, tmp_path):
-    from hf_models import build_model, _write_tokenizer
+    from hf_models import _write_tokenizer, build_model
 
     sharded = tmp_path / "sharded"
     model = build_model("llama")

@@ -11,8 +11,8 @@ import json
 
 import pytest
 import torch
-
 from hf_models import ARCHS, build_model, hf_generate, random_prompts, save_checkpoint
+
 from litellm_pipeline import LLM, SamplingParams
 from litellm_pipeline.model.config import ModelConfig
 
@@ -134,7 +134,7 @@ def test_legacy_rope_scaling_keys(tmp_path):
 
 def test_sharded_checkpoint_parity(tmp_path):
     """A checkpoint split into shards with model.safetensors.index.json loads to the same model."""
-    from hf_models import build_model, _write_tokenizer
+    from hf_models import _write_tokenizer, build_model
 
     model = build_model("qwen2_moe")
     model.save_pretrained(tmp_path, max_shard_size="100KB")
@@ -161,7 +161,6 @@ def test_float16_checkpoint_loads_in_every_precision(tmp_path):
     """A checkpoint stored in float16 (safetensors F16) runs in float16, bfloat16 and float32; greedy tokens of the
     16-bit runs start as transformers' float32 run of the same weights does."""
     import transformers  # noqa: F401
-
     from hf_models import _write_tokenizer, build_model
 
     model = build_model("llama", seed=3).to(torch.float16)

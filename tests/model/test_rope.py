@@ -3,9 +3,16 @@
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import (
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
-from litellm_pipeline.model.rope import RotaryEmbedding, apply_rotary, rope_parameters_from_config
+from litellm_pipeline.model.rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    rope_parameters_from_config,
+)
 
 HEAD_DIM = 64
 MAX_POS = 256

@@ -17,9 +17,9 @@ pytest.importorskip("triton")
 from litellm_pipeline import SamplingParams, registry  # noqa: E402
 from litellm_pipeline.model import triton_attention  # noqa: E402
 from litellm_pipeline.model.attention import sdpa_paged_attention  # noqa: E402
-from litellm_pipeline.model.batch import AttentionMetadata, SeqAttention  # noqa: E402
 from litellm_pipeline.model.triton_attention import triton_paged_attention  # noqa: E402
 from litellm_pipeline.model.triton_common import interpreting  # noqa: E402
+from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention  # noqa: E402
 from litellm_pipeline.testing import check_attention  # noqa: E402
 from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm  # noqa: E402
 

@@ -8,7 +8,6 @@ import pytest
 from litellm_pipeline.errors import format_validation_error
 from litellm_pipeline.sampling import SamplingParams
 
-
 # ---------------------------------------------------------------- validation
 
 BAD = [
@@ -79,7 +78,11 @@ def test_format_validation_error_nested_paths():
 
 
 def test_stop_limits_name_the_limit():
-    from litellm_pipeline.sampling.params import MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+    from litellm_pipeline.sampling.params import (
+        MAX_STOP_LENGTH,
+        MAX_STOP_STRINGS,
+        MAX_STOP_TOKEN_IDS,
+    )
 
     with pytest.raises(ValueError, match=rf"^stop: must have at most {MAX_STOP_STRINGS} item"):
         SamplingParams(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)])

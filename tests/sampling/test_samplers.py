@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from litellm_pipeline import registry
-from litellm_pipeline.sampling.samplers import GreedySampler, Sampler, SamplingRow, apply_penalties
+from litellm_pipeline.registry.types import SamplingRow
 from litellm_pipeline.sampling import SamplingParams
+from litellm_pipeline.sampling.samplers import GreedySampler, Sampler, apply_penalties
 
 V = 64
 

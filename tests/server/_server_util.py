@@ -11,9 +11,9 @@ import httpx
 import uvicorn
 
 from litellm_pipeline.config.build import build_engine, to_plain
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.engine.engine import Engine
-from litellm_pipeline.config.compose import compose
 from litellm_pipeline.server.app import build_app
 from litellm_pipeline.server.auth import ApiKeys
 

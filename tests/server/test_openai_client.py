@@ -140,7 +140,10 @@ def test_logprob_tokens_read_as_in_the_text_with_sentencepiece_word_starts():
     from test_tokenizer import sentencepiece_tokenizer
 
     from litellm_pipeline.server.responses import TokenText
-    from litellm_pipeline.text.tokenizer import IncrementalDetokenizer, build_byte_tokenizer
+    from litellm_pipeline.text.tokenizer import (
+        IncrementalDetokenizer,
+        build_byte_tokenizer,
+    )
 
     tok = sentencepiece_tokenizer()
     text_of = TokenText(tok)

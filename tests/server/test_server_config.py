@@ -11,9 +11,9 @@ import sys
 import pytest
 
 from litellm_pipeline.config.build import to_plain
+from litellm_pipeline.config.compose import compose
 from litellm_pipeline.config.schema import validate_config
 from litellm_pipeline.errors import ConfigError
-from litellm_pipeline.config.compose import compose
 
 
 def test_serve_recipe_composes_the_server_defaults():

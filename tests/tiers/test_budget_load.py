@@ -9,7 +9,12 @@ import sys
 
 import pytest
 
-from litellm_pipeline.tasks.budget_load import BudgetClass, LoadSettings, format_report, run_load
+from litellm_pipeline.tasks.budget_load import (
+    BudgetClass,
+    LoadSettings,
+    format_report,
+    run_load,
+)
 
 
 def test_budget_load_recipe_reports_every_class(tmp_path):
@@ -81,11 +86,11 @@ def test_a_full_engine_predicts_the_wait_for_a_slot():
 
     llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced"], max_num_seqs=2)
     stage = next(s for s in llm.engine.request_stages if type(s).__name__ == "SelectTier")
-    idle = stage._load()
+    idle = stage._load(llm.engine.rt.scheduler.load())
     assert idle.wait_ms == 0 and idle.batch == 1
     reqs = [llm.engine.add_request("a3,b7;b", SamplingParams(max_tokens=20, ignore_eos=True)) for _ in range(3)]
     llm.engine.step()  # two run, one waits
-    busy = stage._load()
+    busy = stage._load(llm.engine.rt.scheduler.load())
     step_ms = stage.selector.predict(stage.selector.default, 1, 1, type(idle)(batch=2)).per_token_ms
     assert busy.batch == 2
     # the new request waits for the first slot to free (19 steps) and for the queued prompt to be prefilled
@@ -97,9 +102,9 @@ def test_a_full_engine_predicts_the_wait_for_a_slot():
 
 def test_measured_step_times_correct_the_predictions():
     from litellm_pipeline import LLM
-    from litellm_pipeline.telemetry.events import StepFinished
     from litellm_pipeline.budget.latency import LatencyTracker
     from litellm_pipeline.budget.selector import Load
+    from litellm_pipeline.telemetry.events import StepFinished
 
     tr = LatencyTracker()
     assert tr.step_ms(8) is None
@@ -172,9 +177,9 @@ def test_step_model_recovers_the_line_and_keeps_slopes_non_negative():
 
 
 def test_time_between_steps_counts_into_the_step_time(monkeypatch):
-    from litellm_pipeline.telemetry.events import StepFinished
     from litellm_pipeline.budget import latency
     from litellm_pipeline.budget.latency import LatencyTracker
+    from litellm_pipeline.telemetry.events import StepFinished
 
     clock = [0.0]
     monkeypatch.setattr(latency.time, "perf_counter", lambda: clock[0])

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from litellm_pipeline import LLM, BudgetSpec, SamplingParams
+from litellm_pipeline.budget.selector import Load
 from litellm_pipeline.demo import CHECKPOINT_DIR
 from litellm_pipeline.demo.network import MoeForTraining, NetworkConfig
 from litellm_pipeline.errors import ConfigError, InvalidRequestError
 from litellm_pipeline.telemetry import MemorySink, RequestCosted, TierSelected
-from litellm_pipeline.budget.selector import Load
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from _engine_util import assert_pool_empty  # noqa: E402

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from litellm_pipeline.budget.latency import LatencyTracker, bucket
 from litellm_pipeline.config.schema import TierSection
 from litellm_pipeline.demo import CHECKPOINT_DIR
 from litellm_pipeline.errors import ConfigError
@@ -13,7 +14,6 @@ from litellm_pipeline.model.loader import load_model_config
 from litellm_pipeline.telemetry import RequestCosted
 from litellm_pipeline.tiers import TierSet, resolve_tiers
 from litellm_pipeline.tiers.cost_model import CostModel
-from litellm_pipeline.budget.latency import LatencyTracker, bucket
 
 PRICED = {
     "fast": TierSection(experts_per_token=1, price={"prompt_1k": 0.25, "output_1k": 0.5}),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from litellm_pipeline.model.batch import RoutePlan
 from litellm_pipeline.model.moe import route_tokens
+from litellm_pipeline.registry.types import RoutePlan
 
 
 def test_ties_go_to_the_lower_expert_id():

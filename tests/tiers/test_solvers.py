@@ -8,7 +8,8 @@ import random
 import pytest
 
 from litellm_pipeline import registry
-from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver, Option, Problem
+from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver
+from litellm_pipeline.registry.types import Option, Problem
 
 
 def brute_force(p: Problem):

@@ -19,7 +19,8 @@ gap): then it is provably optimal.
 
 from __future__ import annotations
 
-from litellm_pipeline.budget.solvers import GreedySolver, Problem, Solution
+from litellm_pipeline.budget.solvers import GreedySolver
+from litellm_pipeline.registry.types import Problem, Solution
 
 _GAP = 1e-9
 

@@ -11,10 +11,11 @@ plugin = pytest.importorskip(
 )
 
 from litellm_pipeline import SamplingParams, registry  # noqa: E402
+from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver  # noqa: E402
+from litellm_pipeline.registry.types import Option, Problem  # noqa: E402
 from litellm_pipeline.testing import check_budget_solver  # noqa: E402
 from litellm_pipeline.testing._support import assert_drained, build_llm  # noqa: E402
 from litellm_pipeline.testing.budget_solver import brute_force, monotone_problem  # noqa: E402
-from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver, Option, Problem  # noqa: E402
 
 Solver = plugin.LagrangianSolver
 
