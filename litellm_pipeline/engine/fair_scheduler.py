@@ -19,13 +19,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
-from typing import Iterator, Literal, Mapping
+from typing import Any, Iterator, Mapping
 
-from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request
 from litellm_pipeline.engine.scheduler import FcfsScheduler
 from litellm_pipeline.registry import register
-from litellm_pipeline.telemetry import EventBus
 
 __all__ = ["FairQueue", "FairScheduler"]
 
@@ -155,14 +153,6 @@ class FairScheduler(FcfsScheduler):
     ``weights``: tenant name -> share (the builder passes ``conf/tenants``' weights); others weigh 1.
     """
 
-    def __init__(
-        self,
-        kv: KVCacheManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        preemption: Literal["recompute", "swap"] = "recompute",
-        bus: EventBus | None = None,
-        weights: Mapping[str, float] | None = None,
-    ):
-        super().__init__(kv, max_num_seqs, max_num_batched_tokens, preemption, bus)
+    def __init__(self, *args: Any, weights: Mapping[str, float] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)  # fcfs's (kv, max_num_seqs, max_num_batched_tokens, preemption, bus)
         self.waiting = FairQueue(weights)  # type: ignore[assignment]  # the deque operations fcfs uses

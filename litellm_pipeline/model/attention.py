@@ -90,16 +90,8 @@ def sdpa_prefill_chunk(
 
 
 @register("attention", "sdpa")
-def sdpa_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
+def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Reference implementation: torch SDPA per prefill sequence, one padded SDPA for all decode tokens."""
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)

@@ -78,16 +78,8 @@ def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
 
 
 @register("attention", "cpu_paged")
-def cpu_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
+def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Same contract as ``sdpa``; the kernel reads K/V in place through each sequence's slots."""
     why = _unsupported(q, k_cache, v_cache)
     if why is not None:

@@ -276,16 +276,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 # registry: imported on first use (triton takes seconds to import and is absent from CPU-only installs)
 @register("attention", "triton_paged")
-def triton_paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
+def triton_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Triton paged attention: store kernel, one chunked-prefill launch, one paged-decode launch (see module doc)."""
     check_device(q, "attention triton_paged")
     hq, hk, d = q.shape[1], k.shape[1], q.shape[2]

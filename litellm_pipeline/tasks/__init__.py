@@ -2,7 +2,8 @@
 
 Every task module has ``run(cfg)``, which takes the composed config. A new recipe is the two files and nothing
 else: :func:`run_task` finds the module by its name. What tasks share lives here: where a run writes
-(:func:`output_dir`) and the validated config (:func:`app_config`); a task's own section is validated with
+(:func:`output_dir`, :func:`write_json`), the validated config (:func:`app_config`) and the model's name in
+reports (:func:`model_name`); a task's own section is validated with
 :func:`litellm_pipeline.errors.section_settings`, and requests run to the end with
 :meth:`litellm_pipeline.engine.engine.Engine.run`.
 """
@@ -10,6 +11,7 @@ else: :func:`run_task` finds the module by its name. What tasks share lives here
 from __future__ import annotations
 
 import importlib
+import json
 import pkgutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,3 +53,17 @@ def app_config(cfg: Any) -> AppConfig:
     from litellm_pipeline.config.schema import validate_config
 
     return validate_config(to_plain(cfg))
+
+
+def write_json(data: Any, name: str | Path) -> Path:
+    """``data`` as indented JSON at ``name`` in the run's folder (a path given whole stays as it is)."""
+    path = output_dir() / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def model_name(plain: dict) -> str:
+    """The model a (plain) config runs, as reports name it."""
+    path = plain["model"].get("path")
+    return str(path) if path is not None else "embedded demo model"

@@ -11,7 +11,6 @@ expert, measured at the start, so a class means the same on any machine; money i
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -179,14 +178,13 @@ def format_report(r: dict) -> str:
 
 def run(cfg) -> dict:
     from litellm_pipeline.config.build import build_engine, to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import write_json
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("budget_load"))
     engine = build_engine(plain)
     result = run_load(engine, s, plain["model"].get("path") is None)
     print(format_report(result))
-    path = output_dir() / "budget_load.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(result, "budget_load.json")
     print(f"wrote {path}")
     return result

@@ -16,7 +16,6 @@ The profile (JSON, named by model and machine) is what ``budget.profile`` loads.
 
 from __future__ import annotations
 
-import json
 import platform
 import re
 import statistics
@@ -265,25 +264,18 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
     return profile
 
 
-def write_profile(profile: dict, folder: Path, out: str | None) -> Path:
-    path = Path(out) if out else folder / f"cost_profile-{_slug(profile['model'])}-{_slug(profile['machine'])}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(profile, indent=2) + "\n")
-    return path
-
-
 def run(cfg) -> dict:
     """The ``calibrate`` task: build the configured engine, measure, print a summary, write the profile."""
     from litellm_pipeline.config.build import build_engine, to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import model_name, write_json
 
     plain = to_plain(cfg)
     s = calibrate_settings(plain.get("calibrate"))
     engine = build_engine(plain)
-    path = plain["model"].get("path")
-    name = str(path) if path is not None else "embedded demo model"
-    profile = calibrate(engine, s, path is None, name)
-    where = write_profile(profile, output_dir(), s.out)
+    name = model_name(plain)
+    profile = calibrate(engine, s, plain["model"].get("path") is None, name)
+    default = f"cost_profile-{_slug(profile['model'])}-{_slug(profile['machine'])}.json"
+    where = write_json(profile, Path(s.out).resolve() if s.out else default)  # calibrate.out: from the launch folder
     print(f"model: {name}; machine: {profile['machine']}; dtype {profile['dtype']}")
     print(f"{'layer':<6}" + "".join(f"{'k=' + str(k):>24}" for k in profile["choices"]))
     for i, layer in enumerate(profile["layers"]):

@@ -6,9 +6,7 @@ Each tier runs as its own batch through the configured engine, so the measured t
 
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -105,28 +103,20 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def write_json(result: dict, folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "eval.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    return path
-
-
 def run(cfg) -> dict:
     """The ``eval`` task: build the configured engine, evaluate, print the table, write eval.json to the run dir."""
     from litellm_pipeline.config.build import build_engine, to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import model_name, write_json
 
     plain = to_plain(cfg)
     s = eval_settings(plain.get("eval"))
     engine = build_engine(plain)
     result = evaluate(engine, engine.rt.tiers, s)
-    path = plain["model"].get("path")
-    result["model"] = str(path) if path is not None else "embedded demo model"
+    result["model"] = model_name(plain)
     print(f"model: {result['model']}  ({s.per_task} held-out prompts per task, seed {s.seed}, greedy)")
     print(format_table(result))
     for tier, errors in result["errors"].items():
         for e in errors[: s.show_errors]:
             print(f"  {tier}: {e['prompt']} -> {e['got']!r} (expected {e['expected']})")
-    print(f"wrote {write_json(result, output_dir())}")
+    print(f"wrote {write_json(result, 'eval.json')}")
     return result

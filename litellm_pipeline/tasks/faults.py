@@ -350,16 +350,14 @@ def _run_all(s: FaultSettings, model: str | None, rng: random.Random, log: Calla
 def run(cfg) -> dict:
     """The randomized fault suite over the ``faults`` section; writes faults.json and exits 1 if an invariant
     broke."""
-    import json
     import sys
 
     from litellm_pipeline.config.build import to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import write_json
 
     plain = to_plain(cfg)
     result = run_fault_suite(fault_settings(plain.get("faults")), plain["model"].get("path"))
-    path = output_dir() / "faults.json"
-    path.write_text(json.dumps(result, indent=2))
+    path = write_json(result, "faults.json")
     print(
         f"{result['runs']} runs (seed {result['seed']}): {result['admitted']} requests admitted, {result['invalid']} "
         f"invalid submissions refused, {result['aborted']} aborted, {result['faulted']} faulted, "

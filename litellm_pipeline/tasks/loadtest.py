@@ -290,7 +290,7 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
     from tqdm import tqdm
 
     from litellm_pipeline.config.build import build_engine, to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import write_json
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("loadtest"))
@@ -320,8 +320,7 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
         base = result["in_process"]["output_tok_s"]
         result["server_vs_in_process"] = result["http"]["output_tok_s"] / base if base else None
     print(format_report(result))
-    path = output_dir() / "loadtest.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(result, "loadtest.json")
     print(f"wrote {path}")
     return result
 

@@ -87,7 +87,7 @@ def _run(engine, prompts, params, tier) -> tuple[list, int, float]:
 def run(cfg) -> dict:
     """The ``sweep`` task: run the workload once, print a line, write ``sweep.json`` into the run directory."""
     from litellm_pipeline.config.build import build_engine, to_plain
-    from litellm_pipeline.tasks import output_dir
+    from litellm_pipeline.tasks import write_json
 
     plain = to_plain(cfg)
     s = sweep_settings(plain.get("sweep"))
@@ -149,8 +149,7 @@ def run(cfg) -> dict:
         "budget_compliance": {k: met[k] / limits[k] for k in limits},
         "tiers_chosen": dict(Counter(c.tier for c in costs)),
     }
-    path = output_dir() / "sweep.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = write_json(result, "sweep.json")
     label = s.tier or f"mode={result['mode']}"
     print(f"{label}: quality {quality:.3f}, latency p50 {fmt(result['latency_ms']['p50'], '.1f')} ms, "
           f"{fmt(result['tokens_per_s'], '.0f')} tokens/s, money {result['monetary']['total']:.4f}, rejected "

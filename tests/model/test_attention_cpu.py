@@ -13,7 +13,8 @@ import torch
 from litellm_pipeline import LLM, SamplingParams, registry
 from litellm_pipeline.model import attention_cpu
 from litellm_pipeline.model.attention import sdpa_paged_attention
-from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
+from litellm_pipeline.testing.attention import AttentionCase
+from litellm_pipeline.testing.attention import make_step as random_step
 
 BLOCK = 16
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
@@ -30,48 +31,12 @@ def kernel():
     return op
 
 
-def make_step(decode_ctx, prefills, hq, hk, d, dtype, seed=0):
-    """Random caches + one step's tokens: ``prefills`` is [(q_len, ctx_len)], ``decode_ctx`` the decode contexts.
-
-    Every sequence owns randomly placed blocks of a shared pool, so slots are scattered like the real pool's.
-    """
-    g = torch.Generator().manual_seed(seed)
-    lens = [c for _, c in prefills] + list(decode_ctx)
-    nblk = [-(-c // BLOCK) for c in lens]
-    perm = torch.randperm(sum(nblk) + 3, generator=g)
-    seq_slots, at = [], 0
-    for c, n in zip(lens, nblk):
-        blocks = perm[at : at + n]
-        at += n
-        pos = torch.arange(c)
-        seq_slots.append(blocks[pos // BLOCK] * BLOCK + pos % BLOCK)
-    num_slots = (sum(nblk) + 3) * BLOCK
-    k_cache = torch.randn(num_slots, hk, d, generator=g).to(dtype)
-    v_cache = torch.randn(num_slots, hk, d, generator=g).to(dtype)
-    seqs, slot_map, row = [], [], 0
-    for (q_len, c), sl in zip(prefills, seq_slots):
-        seqs.append(SeqAttention(q_start=row, q_len=q_len, ctx_len=c, kv_slots=sl))
-        slot_map.append(sl[c - q_len :])
-        row += q_len
-    meta_kw = {}
-    if decode_ctx:
-        dsl = seq_slots[len(prefills) :]
-        lmax = max(decode_ctx)
-        table = torch.zeros(len(decode_ctx), lmax, dtype=torch.long)
-        for i, sl in enumerate(dsl):
-            table[i, : len(sl)] = sl
-            slot_map.append(sl[-1:])
-        meta_kw = dict(
-            decode_rows=torch.arange(row, row + len(decode_ctx)),
-            decode_kv_slots=table,
-            decode_ctx_lens=torch.tensor(decode_ctx),
-        )
-        row += len(decode_ctx)
-    slot_mapping = torch.cat(slot_map)
-    meta = AttentionMetadata(slot_mapping=slot_mapping, positions=torch.zeros(row, dtype=torch.long), prefills=seqs, **meta_kw)
-    qkv = torch.randn(row, hq + 2 * hk, d, generator=g).to(dtype)
-    q, k, v = qkv.split([hq, hk, hk], dim=1)  # strided views, as the model's split of its fused projection gives
-    return q, k, v, k_cache, v_cache, meta
+def make_step(decode_ctx, prefills, hq, hk, d, dtype, block=BLOCK, seed=0):
+    """Random caches + one step (the conformance kit's): ``prefills`` [(q_len, ctx_len)], ``decode_ctx`` the decode
+    contexts; slots scattered over a shared pool as the real pool's, decode tables padded with another sequence's
+    slot 0."""
+    case = AttentionCase("step", tuple(decode_ctx), tuple(map(tuple, prefills)), (hq, hk), d, block)
+    return random_step(case, dtype, "cpu", seed)
 
 
 def run_both(step, window, scale=None):

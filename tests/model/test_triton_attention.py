@@ -22,6 +22,8 @@ from litellm_pipeline.model.triton_common import interpreting  # noqa: E402
 from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention  # noqa: E402
 from litellm_pipeline.testing import check_attention  # noqa: E402
 from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm  # noqa: E402
+from litellm_pipeline.testing.attention import AttentionCase  # noqa: E402
+from litellm_pipeline.testing.attention import make_step as random_step  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and not interpreting():
@@ -41,42 +43,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_step(decode_ctx, prefills, hq, hk, d, dtype, block=16, seed=0):
-    """Random caches + one step: ``prefills`` [(q_len, ctx_len)], ``decode_ctx`` the decode contexts.
-
-    Every sequence owns randomly placed blocks of a shared pool (slots scattered as the real pool's; a few blocks
-    belong to nobody), and the decode table is padded with slot 0, another sequence's data."""
-    g = torch.Generator().manual_seed(seed)
-    lens = [c for _, c in prefills] + list(decode_ctx)
-    nblk = [-(-c // block) for c in lens]
-    perm = torch.randperm(sum(nblk) + 3, generator=g)
-    seq_slots, at = [], 0
-    for c, n in zip(lens, nblk):
-        blocks = perm[at : at + n]
-        at += n
-        pos = torch.arange(c)
-        seq_slots.append(blocks[pos // block] * block + pos % block)
-    num_slots = (sum(nblk) + 3) * block
-    k_cache = torch.randn(num_slots, hk, d, generator=g).to(DEVICE, dtype)
-    v_cache = torch.randn(num_slots, hk, d, generator=g).to(DEVICE, dtype)
-    seqs, slot_map, row = [], [], 0
-    for (q_len, c), sl in zip(prefills, seq_slots):
-        seqs.append(SeqAttention(q_start=row, q_len=q_len, ctx_len=c, kv_slots=sl.to(DEVICE)))
-        slot_map.append(sl[c - q_len :])
-        row += q_len
-    kw = {}
-    if decode_ctx:
-        table = torch.zeros(len(decode_ctx), max(decode_ctx), dtype=torch.long)
-        for i, sl in enumerate(seq_slots[len(prefills) :]):
-            table[i, : len(sl)] = sl
-            slot_map.append(sl[-1:])
-        kw = dict(decode_rows=torch.arange(row, row + len(decode_ctx), device=DEVICE),
-                  decode_kv_slots=table.to(DEVICE), decode_ctx_lens=torch.tensor(decode_ctx, device=DEVICE))
-        row += len(decode_ctx)
-    meta = AttentionMetadata(slot_mapping=torch.cat(slot_map).to(DEVICE),
-                             positions=torch.zeros(row, dtype=torch.long, device=DEVICE), prefills=seqs, **kw)
-    qkv = torch.randn(row, hq + 2 * hk, d, generator=g).to(DEVICE, dtype)
-    q, k, v = qkv.split([hq, hk, hk], dim=1)  # strided views, as the model's split of its fused projection
-    return q, k, v, k_cache, v_cache, meta
+    """Random caches + one step (the conformance kit's): ``prefills`` [(q_len, ctx_len)], ``decode_ctx`` the decode
+    contexts; slots scattered over a shared pool as the real pool's, decode tables padded with another sequence's
+    slot 0."""
+    case = AttentionCase("step", tuple(decode_ctx), tuple(map(tuple, prefills)), (hq, hk), d, block)
+    return random_step(case, dtype, DEVICE, seed)
 
 
 def run_both(step, window, scale=None):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 from litellm_pipeline.stages.base import Stage, StepContext
 
@@ -38,3 +40,14 @@ class SlowSteps(Stage):
 
     def __call__(self, ctx: StepContext) -> None:
         time.sleep(self.delay_s)
+
+
+@contextlib.contextmanager
+def slow_steps(server, delay_s: float) -> Iterator[SlowSteps]:
+    """The server's SlowSteps stage sleeps ``delay_s`` per step inside the block; steps are quick again after it."""
+    stage = server.stage(SlowSteps)
+    stage.delay_s = delay_s
+    try:
+        yield stage
+    finally:
+        stage.delay_s = 0.0

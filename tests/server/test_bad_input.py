@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 from _server_util import wait_pool_empty
-from server_stages import MARKER, SlowSteps
+from server_stages import MARKER, slow_steps
 
 from litellm_pipeline import SamplingParams
 
@@ -104,10 +104,8 @@ class GoodRequest:
 @pytest.fixture
 def slow(demo_server):
     """Steps of 20 ms while the test runs, so the good request is still in flight when the bad one is answered."""
-    stage = demo_server.stage(SlowSteps)
-    stage.delay_s = 0.02
-    yield
-    stage.delay_s = 0.0
+    with slow_steps(demo_server, 0.02):
+        yield
 
 
 @pytest.fixture(scope="module")

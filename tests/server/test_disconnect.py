@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 from _server_util import wait_pool_empty
-from server_stages import SlowSteps
+from server_stages import slow_steps
 
 from litellm_pipeline import SamplingParams
 from litellm_pipeline.telemetry.prometheus import PrometheusSink
@@ -18,12 +18,10 @@ LONG = {"prompt": "copy:abcdef=", "max_tokens": 45, "temperature": 0, "ignore_eo
 
 @pytest.fixture
 def slow(demo_server):
-    stage = demo_server.stage(SlowSteps)
     # 45 tokens take about 9 s: a client that leaves after two events leaves in the middle even when a loaded
     # machine stalls the reader for seconds, and a request that ran to its end instead is plainly slower
-    stage.delay_s = 0.2
-    yield
-    stage.delay_s = 0.0
+    with slow_steps(demo_server, 0.2):
+        yield
 
 
 def aborted(engine) -> float:

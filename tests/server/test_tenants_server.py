@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from _server_util import PLUGIN_STAGES, start_server, wait_pool_empty
-from server_stages import SlowSteps
+from server_stages import slow_steps
 from test_metrics_and_health import scrape, value
 
 from litellm_pipeline.server.auth import digest
@@ -170,10 +170,8 @@ def test_a_request_over_the_token_quota_is_a_400(server):
 
 @pytest.fixture
 def slow(server):
-    stage = server.stage(SlowSteps)
-    stage.delay_s = 0.02
-    yield
-    stage.delay_s = 0.0
+    with slow_steps(server, 0.02):
+        yield
 
 
 def finish_of(stream: httpx.Response) -> str | None:

@@ -15,7 +15,7 @@ from litellm_pipeline.registry import KINDS as REGISTRY_KINDS
 from litellm_pipeline.registry.interfaces import INTERFACES
 from litellm_pipeline.tasks.new_plugin import KINDS, new_plugin, render
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _env(**extra: str) -> dict[str, str]:

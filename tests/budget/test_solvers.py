@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
@@ -10,28 +9,7 @@ import pytest
 from litellm_pipeline import registry
 from litellm_pipeline.budget.solvers import ExactSolver, GreedySolver
 from litellm_pipeline.registry.types import Option, Problem
-
-
-def brute_force(p: Problem):
-    best = None
-    for choice in itertools.product(*(range(len(o)) for o in p.layers)):
-        s = p.evaluate(choice)
-        if p.fits(s.costs) and (best is None or s.value > best.value + 1e-12):
-            best = s
-    return best
-
-
-def monotone_problem(rng: random.Random, layers: int, options: int, constraints: int, tight: float) -> Problem:
-    """Each layer's options cost more in every constraint the more value they give (like expert counts)."""
-    out = []
-    for _ in range(layers):
-        costs = [sorted(rng.uniform(0.1, 5.0) for _ in range(options)) for _ in range(constraints)]
-        values = sorted(rng.uniform(-1.0, 1.0) for _ in range(options))
-        out.append(tuple(Option(i + 1, tuple(c[i] for c in costs), values[i]) for i in range(options)))
-    lows = [sum(min(o.costs[j] for o in opts) for opts in out) for j in range(constraints)]
-    highs = [sum(max(o.costs[j] for o in opts) for opts in out) for j in range(constraints)]
-    limits = tuple(lo + tight * (hi - lo) if rng.random() < 0.8 else None for lo, hi in zip(lows, highs))
-    return Problem(tuple(out), limits)
+from litellm_pipeline.testing.budget_solver import brute_force, monotone_problem
 
 
 def test_solvers_are_registered():

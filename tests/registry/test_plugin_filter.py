@@ -59,16 +59,11 @@ def test_environment_narrows_the_config():
 MOD_A = """
     from litellm_pipeline.registry import register
 
+    from fake_dists import TinyPolicy
+
     @register("kv_policy", "fake_filter_policy")
-    class FilterPolicy:
+    class FilterPolicy(TinyPolicy):
         \"\"\"A policy from plugin A.\"\"\"
-        def add(self, block): pass
-        def remove(self, block): pass
-        def hit(self, block): pass
-        def forget(self, block): pass
-        def pop(self): return None
-        def __len__(self): return 0
-        def __contains__(self, block): return False
 """
 MOD_B = """
     class FilterSolver:

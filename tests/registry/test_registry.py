@@ -7,6 +7,7 @@ import textwrap
 import warnings
 
 import pytest
+from fake_dists import TinyPolicy, TinySolver
 
 from litellm_pipeline import registry
 from litellm_pipeline.registry import RegistryError
@@ -23,21 +24,6 @@ def fresh_registry():
         yield registry
     for mod in FAKE_MODULES:
         sys.modules.pop(mod, None)
-
-
-# the smallest classes that satisfy their kinds' interfaces (litellm_pipeline.registry.interfaces)
-class TinyPolicy:
-    def add(self, block): pass
-    def remove(self, block): pass
-    def hit(self, block): pass
-    def forget(self, block): pass
-    def pop(self): return None
-    def __len__(self): return 0
-    def __contains__(self, block): return False
-
-
-class TinySolver:
-    def solve(self, problem): return None
 
 
 class TinySampler:
@@ -61,17 +47,11 @@ def _write_fake_dist(root, entry_points: str, modules: dict[str, str]) -> None:
 GOOD_MOD = """
     from litellm_pipeline.registry import register
 
+    from fake_dists import TinyStepStage
+
     @register("stage", "fake_good_stage")
-    class FakeGoodStage:
-        level = "step"
-        inputs = ("samples",)
-        outputs = ("samples",)
-
-        def __init__(self, rt):
-            pass
-
-        def __call__(self, ctx):
-            pass
+    class FakeGoodStage(TinyStepStage):
+        pass
 """
 CB_MOD = """
     from litellm_pipeline import registry

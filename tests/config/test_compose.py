@@ -22,7 +22,7 @@ from litellm_pipeline.config.compose import (
     recipes_dir,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _group_overrides() -> list[str]:

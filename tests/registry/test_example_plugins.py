@@ -41,7 +41,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_every_plugin_folder_is_covered_and_installed_by_ci():
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     folders = sorted(p.name for p in (repo / "plugins").iterdir() if (p / "pyproject.toml").exists())
     assert folders == sorted(PLUGINS)
     ci = (repo / ".ci" / "run").read_text()

@@ -20,7 +20,7 @@ from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.llm import LLM
 from litellm_pipeline.sampling import SamplingParams
 
-PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins" / "example_plugin"
+PLUGIN_DIR = Path(__file__).resolve().parents[2] / "plugins" / "example_plugin"
 DIST_NAME = "litellm_pipeline_example_plugin"
 PIP_INSTALL = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN_DIR)]
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fake_dists import write_dist
@@ -18,18 +19,14 @@ GOOD_MOD = '''
     from litellm_pipeline import registry
 
 
-    class EveryOther:
+    from fake_dists import TinyStepStage
+
+
+    class EveryOther(TinyStepStage):
         """Drop every other sampled token (a listing test stage).
 
         More text that the listing does not show.
         """
-
-        level = "step"
-        inputs = ("samples",)
-        outputs = ("samples",)
-
-        def __init__(self, rt):
-            pass
 
         def __call__(self, ctx):
             ctx.samples = ctx.samples[::2]
@@ -74,7 +71,9 @@ def site(tmp_path_factory):
 
 def listing(site, tmp_path, *overrides: str, **env: str) -> str:
     environ = {k: v for k, v in os.environ.items() if k not in (ENV_ALLOW, ENV_DENY)}
-    environ.update(env, PYTHONPATH=os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    # tests/ too: the fake plugin's stage builds on fake_dists.TinyStepStage
+    tests = str(Path(__file__).resolve().parents[1])
+    environ.update(env, PYTHONPATH=os.pathsep.join(filter(None, [str(site), tests, os.environ.get("PYTHONPATH")])))
     # model.path points nowhere: the listing must not load a model
     cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=plugins", "model.path=/nonexistent/model", *overrides,
            f"hydra.run.dir={tmp_path}/run"]
