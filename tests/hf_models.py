@@ -389,3 +389,25 @@ def random_prompts(lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
     """Random byte-token prompts (ids in 3..258), one per length."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(BYTE_OFFSET, BYTE_OFFSET + 256, (n,), generator=g).tolist() for n in lengths]
+
+
+def sentencepiece_tokenizer(chat_template=None) :
+    """A Llama-style BPE tokenizer (Metaspace, byte fallback for everything outside a tiny alphabet), built here."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors
+
+    from litellm_pipeline.text.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    pieces = list("▁abcdefghijklmnopqrstuvwxyz!,") + ["▁w", "▁h", "ll", "▁he", "▁hell", "or", "▁wor", "ld"]
+    vocab.update({p: len(vocab) + i for i, p in enumerate(pieces)})
+    merges = [("▁", "w"), ("▁", "h"), ("l", "l"), ("▁h", "e"), ("▁he", "ll"), ("o", "r"), ("▁w", "or"), ("l", "d")]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", 1)])
+    return Tokenizer.from_tokenizer(tok, eos_token="</s>", bos_token="<s>", chat_template=chat_template)

@@ -45,7 +45,8 @@ from litellm_pipeline.telemetry import (
     TierSelected,
     TokensGenerated,
 )
-from litellm_pipeline.text.tokenizer import IncrementalDetokenizer, TokenizerError
+from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
+from litellm_pipeline.text.tokenizer import TokenizerError
 
 # the longest a step waits for a thread that asked for the lock before it to take it (that thread may be
 # descheduled; then the step goes ahead and the thread gets the lock after it)

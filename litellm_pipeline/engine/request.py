@@ -18,7 +18,7 @@ from litellm_pipeline.tiers import TierSet
 
 if TYPE_CHECKING:
     from litellm_pipeline.budget.selector import Selection
-    from litellm_pipeline.text.tokenizer import IncrementalDetokenizer
+    from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(str, Enum):

@@ -1,4 +1,5 @@
-"""Tokenizer for Hugging Face checkpoints: encode/decode, chat templates and streaming detokenization.
+"""Tokenizer for Hugging Face checkpoints: encode/decode, special tokens, chat templates (rendered by
+:mod:`~litellm_pipeline.text.chat_template`); streaming text is :mod:`~litellm_pipeline.text.detokenizer`'s.
 
 Wraps a `tokenizers.Tokenizer` (tokenizer.json) plus the special tokens and chat template from the checkpoint's
 tokenizer_config.json / chat_template.jinja / generation_config.json, mirroring what `transformers` does with the same
@@ -8,22 +9,19 @@ files, so prompts and decoded text match the oracle without importing it.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-__all__ = ["TokenizerError", "Tokenizer", "IncrementalDetokenizer", "build_byte_tokenizer"]
+from litellm_pipeline.text.chat_template import TemplateError, compile_template
+
+__all__ = ["TokenizerError", "Tokenizer", "build_byte_tokenizer"]
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
-_REPLACEMENT_CHAR = "\ufffd"
 
 
 class TokenizerError(ValueError):
@@ -57,39 +55,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value if isinstance(value, str) else None
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    # Some templates mark assistant turns with {% generation %}; transformers only uses it for masks, so render as-is.
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # Same override as transformers: jinja's own tojson HTML-escapes, which would change the rendered prompt.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _make_jinja_env() -> ImmutableSandboxedEnvironment:
-    # Chat templates ship with checkpoints and are untrusted code, hence the sandbox.
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
 
 
 class Tokenizer:
@@ -217,11 +182,11 @@ class Tokenizer:
             raise TokenizerError(f"no default chat template; templates present: {sorted(self.chat_templates)}")
         try:
             if name not in self._compiled:
-                self._compiled[name] = _make_jinja_env().from_string(self.chat_templates[name])
+                self._compiled[name] = compile_template(self.chat_templates[name])
             return self._compiled[name].render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
                 **{**{k: v for k, v in self.special_tokens.items() if v is not None}, **kwargs})
-        except jinja2.exceptions.TemplateError as exc:
+        except TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
 
 
@@ -233,65 +198,6 @@ def _set_post_processor(tok: _HFTokenizer, bos: str | None, eos: str | None) -> 
     pair = " ".join([single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])])
     specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
     tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
-
-
-class IncrementalDetokenizer:
-    """Streams the text of generated tokens, never emitting half-made characters.
-
-    Each step decodes a short window of recent output tokens twice, without and with the new ones (vLLM's
-    prefix_offset/read_offset), and emits the difference. Decoding a window rather than single tokens keeps
-    sentencepiece word-boundary spaces ('▁') and multi-token UTF-8 sequences (byte-level BPE, <0xE2> byte-fallback)
-    right; a window whose text ends in U+FFFD is held back until the character completes.
-
-    The window covers output tokens only, never the prompt, so `text` equals tokenizer.decode(output_ids) exactly
-    (e.g. the first word loses its sentencepiece leading space just as in a full decode). Call `flush()` at the end to
-    release a trailing incomplete character, which a full decode renders as U+FFFD.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], skip_special_tokens: bool = True):
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self.num_prompt_tokens = len(prompt_ids)  # kept for callers' bookkeeping; text never depends on the prompt
-        self.output_ids: list[int] = []
-        self.text = ""
-        self._prefix_offset = 0  # window start: first token whose text is not yet known to be final context
-        self._read_offset = 0  # tokens before this have been emitted
-        # of the text the last add() returned, how many characters came from tokens held back before it (a
-        # byte that was not yet a whole character): the new token's own text starts that far into it
-        self.last_lead = 0
-
-    def add(self, token_id: int) -> str:
-        """Append one generated token and return the newly completed text (possibly "")."""
-        self.output_ids.append(token_id)
-        self.last_lead = 0
-        return self._emit(final=False)
-
-    def flush(self) -> str:
-        """Emit whatever is held back (an incomplete trailing character) once generation has ended."""
-        return self._emit(final=True)
-
-    def checkpoint(self) -> tuple[int, int, int, int]:
-        """The streaming state, to :meth:`rollback` to if the step that adds tokens is undone."""
-        return len(self.output_ids), len(self.text), self._prefix_offset, self._read_offset
-
-    def rollback(self, cp: tuple[int, int, int, int]) -> None:
-        n, t, self._prefix_offset, self._read_offset = cp
-        del self.output_ids[n:]
-        self.text = self.text[:t]
-
-    def _emit(self, final: bool) -> str:
-        ids = self.output_ids
-        prefix_text = self._tok.decode(ids[self._prefix_offset:self._read_offset], self._skip)
-        new_text = self._tok.decode(ids[self._prefix_offset:], self._skip)
-        if len(new_text) <= len(prefix_text) or (new_text.endswith(_REPLACEMENT_CHAR) and not final):
-            return ""
-        delta = new_text[len(prefix_text):]
-        if not final and self._read_offset < len(ids) - 1:  # held tokens come out with this one
-            held = self._tok.decode(ids[self._prefix_offset:-1], self._skip)[len(prefix_text):]
-            self.last_lead = len(os.path.commonprefix([held, delta]))
-        self._prefix_offset, self._read_offset = self._read_offset, len(ids)
-        self.text += delta
-        return delta
 
 
 def build_byte_tokenizer(extra_special: Sequence[str] = ("<s>", "</s>", "<pad>")) -> Tokenizer:

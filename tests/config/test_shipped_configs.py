@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_hydra_config import _group_overrides
+from test_compose import _group_overrides
 
 from litellm_pipeline.bench.settings import bench_settings
 from litellm_pipeline.config.build import build_engine, to_plain

@@ -59,7 +59,7 @@ def test_text_offsets_say_where_each_token_s_text_starts(llama):
     """With logprobs, ``text_offsets[k]`` is where token k's text starts: the length of what the streaming
     detokenizer made of the tokens before it, plus what came out with token k from bytes held back before it (a
     character split across tokens starts at its first byte, the token after it after it)."""
-    from litellm_pipeline.text.tokenizer import IncrementalDetokenizer
+    from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
 
     leads = []
     for seed in (93, 94):

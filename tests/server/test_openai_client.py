@@ -137,13 +137,11 @@ def test_logprob_tokens_read_as_in_the_text_with_sentencepiece_word_starts():
     where decoding it alone drops it; a completion's first token reads as at the start of a text, as the engine's
     text (decode of the output ids) has it, so the token texts join to the text the detokenizer streams.
     Specials, lone bytes and byte-level tokens read as before."""
-    from test_tokenizer import sentencepiece_tokenizer
+    from hf_models import sentencepiece_tokenizer
 
     from litellm_pipeline.server.responses import TokenText
-    from litellm_pipeline.text.tokenizer import (
-        IncrementalDetokenizer,
-        build_byte_tokenizer,
-    )
+    from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
+    from litellm_pipeline.text.tokenizer import build_byte_tokenizer
 
     tok = sentencepiece_tokenizer()
     text_of = TokenText(tok)

@@ -4,11 +4,10 @@ import json
 import re
 
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors
+from hf_models import sentencepiece_tokenizer
 
+from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
 from litellm_pipeline.text.tokenizer import (
-    IncrementalDetokenizer,
     Tokenizer,
     TokenizerError,
     build_byte_tokenizer,
@@ -16,23 +15,6 @@ from litellm_pipeline.text.tokenizer import (
 
 TEXTS = ["hello world", "héllo wörld", "你好，世界", "emoji 👋🏽 and 🙂!", "mixed 日本語 text 🚀 end", " lead", "a  b\n c"]
 CHAT = [{"role": "user", "content": "Hi there 👋"}, {"role": "assistant", "content": "Hello! 你好"}]
-
-
-def sentencepiece_tokenizer(chat_template=None) -> Tokenizer:
-    """Llama-style BPE: Metaspace, byte fallback for everything outside a tiny alphabet."""
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
-    pieces = list("▁abcdefghijklmnopqrstuvwxyz!,") + ["▁w", "▁h", "ll", "▁he", "▁hell", "or", "▁wor", "ld"]
-    vocab.update({p: len(vocab) + i for i, p in enumerate(pieces)})
-    merges = [("▁", "w"), ("▁", "h"), ("l", "l"), ("▁h", "e"), ("▁he", "ll"), ("o", "r"), ("▁w", "or"), ("l", "d")]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
-    return Tokenizer.from_tokenizer(tok, eos_token="</s>", bos_token="<s>", chat_template=chat_template)
 
 
 def stream(tok: Tokenizer, ids, prompt=(1,), skip=True):
