@@ -107,7 +107,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
                 mixed["llamacpp_server"] = {"error": f"{type(exc).__name__}: {exc}"}
         row["engine"]["rounds_with"] = [_PEERS[k] for k in mixed]  # the peers measured right next to it
         mark("mixed workload")
-        runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}
+        runs = {"engine": lambda: engine_runs.batch1_tpot(engine, b1)}  # noqa: F821 (called before the del below)
         runs.update({key: (lambda p=p: p.batch1_tpot(b1)) for key, p in peers.items()})
         bar.set_description(f"{tag}: batch-1 decode" + (f" in rounds with {', '.join(_PEERS[k] for k in peers)}"
                                                         if peers else ""))
