@@ -324,7 +324,7 @@ class Engine:
             StepFinished(
                 len(schedule), prefill, decode, time.perf_counter() - t0,
                 len(load.running), len(load.waiting), pool.num_free, pool.num_blocks - pool.num_free,
-                self._warm_used(),
+                self._warm_used(), pool.num_blocks,
             )
         )
 
@@ -371,7 +371,7 @@ class Engine:
                 load, pool = self.rt.scheduler.load(), self.rt.pool
                 self.bus.publish(RequestAborted(
                     req.request_id, req.tenant, len(req.output_ids), len(load.running), len(load.waiting),
-                    pool.num_blocks - pool.num_free, self._warm_used(),
+                    pool.num_blocks - pool.num_free, self._warm_used(), pool.num_blocks,
                 ))
             return request_output(req)
 

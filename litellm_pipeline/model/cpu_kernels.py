@@ -2,8 +2,12 @@
 
 One extension holds every op (namespace ``torch.ops.litellm_pipeline_cpu``): the paged attention of
 ``cpu_paged`` and the fused layer ops of ``layer_ops: cpu_fused``. It is compiled once per machine into the
-user cache (``-march=native`` where the CPU can be named, else a generic build) and reused afterwards.
-Callers decide what to do when it cannot be built: every user of these ops has a torch fallback.
+user cache (``-march=native`` where the CPU can be named, else a generic build) and reused afterwards. A build is
+named by the CPU, the sources, the compiler flags, the compiler, torch's version and the Python ABI, so installs
+that differ in any of them never rebuild over each other; processes that start at once build once (torch's loader
+holds a file lock in the build folder while one compiles; the others wait, then load it). A first build is logged
+before it starts and when it ends. Callers decide what to do when it cannot be built: every user of these ops has
+a torch fallback.
 
 ``LITELLM_PIPELINE_CPU_ISA`` builds the kernels for a smaller instruction set than the CPU's own (one of
 :data:`ISAS`), so a CPU with more features runs, and the tests check, the code a CPU with fewer runs; it is read
@@ -12,11 +16,16 @@ once per process (the ops of one process come from one build).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
+import subprocess
+import sysconfig
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -44,6 +53,8 @@ ISAS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512": (("-march=x86-64-v4",), _V4),
     "avx512_bf16": (("-march=x86-64-v4", "-mavx512bf16"), (*_V4, "avx512_bf16")),
 }
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _ops = None  # the loaded namespace
@@ -125,10 +136,23 @@ def _source_key() -> str:
     sources, so two checkouts (or versions) sharing the cache never rebuild over each other."""
     h = hashlib.sha1(repr(CFLAGS).encode())
     h.update(torch.__version__.encode())  # a build links against one torch: other versions build their own
+    h.update(str(sysconfig.get_config_var("SOABI")).encode())  # ... and one Python ABI
+    h.update(_compiler_id().encode())
     for path in (*SOURCES, *HEADERS):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiler_id() -> str:
+    """The C++ compiler's name and the first line of its ``--version``."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return cxx
+    return f"{cxx} {out.splitlines()[0] if out else ''}"
 
 
 def _staged_sources(build_dir: Path) -> list[Path]:
@@ -172,6 +196,12 @@ def build():
     for i, (name, arch) in enumerate(builds):
         build_dir = extension_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        first = not (build_dir / f"{name}.so").is_file()
+        if first:
+            log.info("compiling the CPU kernels for this machine (%s build; first run only, half a minute to a minute "
+                     "on two cores; a process starting meanwhile waits for this build) into %s",
+                     "native" if "-march=native" in arch else forced if arch else "generic", build_dir)
+        t0 = time.monotonic()
         try:
             cpp_extension.load(
                 name=name,
@@ -182,6 +212,8 @@ def build():
                 is_python_module=False,
                 verbose=False,
             )
+            if first:
+                log.info("CPU kernels ready in %.0f s (later runs reuse them)", time.monotonic() - t0)
             break
         except Exception:
             if i == len(builds) - 1:

@@ -13,10 +13,12 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from importlib import resources
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 
 from litellm_pipeline.config.schema import ServerSection
 from litellm_pipeline.engine.async_engine import AsyncEngine
@@ -30,7 +32,7 @@ from litellm_pipeline.errors import (
 )
 from litellm_pipeline.server.errors import install_error_handlers, request_error_body
 from litellm_pipeline.server.fanin import FanIn
-from litellm_pipeline.server.gate import Gate, GateState
+from litellm_pipeline.server.gate import Gate, GateState, mark_reported, set_tenant
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from litellm_pipeline.server.responses import (
     ChoiceState,
@@ -87,7 +89,9 @@ def build_app(
     async def tenant(request: Request) -> str:
         # a dependency of every /v1 route: FastAPI runs it before it checks the body, so a request without a
         # valid key gets its 401 before any 400 (only a body that is not JSON at all is refused first)
-        return tenant_of(request)
+        who = tenant_of(request)
+        set_tenant(who)
+        return who
     created = int(time.time())
 
     @asynccontextmanager
@@ -102,11 +106,18 @@ def build_app(
             if owns:
                 await asyncio.to_thread(aeng.shutdown)
 
-    app = FastAPI(title="litellm_pipeline", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible API of the litellm_pipeline runtime")
+    # /docs (Swagger UI) and /redoc load their scripts from this server (fastapi-offline ships them), not a CDN
+    app = FastAPIOffline(title="litellm_pipeline", version="0.1.0", lifespan=lifespan,
+                         description="OpenAI-compatible API of the litellm_pipeline runtime")
     app.state.gate, app.state.async_engine, app.state.metrics, app.state.model_name = gate, aeng, sink, name
     install_error_handlers(app)
-    app.add_middleware(Gate, state=gate, max_body_bytes=cfg.max_body_bytes, max_header_bytes=cfg.max_header_bytes)
+
+    def refused(tenant: str, reason: str) -> None:  # a /v1 request the engine never saw was refused
+        if rt.bus.enabled:
+            rt.bus.publish(RequestRejected(None, tenant, reason, "refused before it reached the engine"))
+
+    app.add_middleware(Gate, state=gate, max_body_bytes=cfg.max_body_bytes, max_header_bytes=cfg.max_header_bytes,
+                       on_refused=refused)
 
     def model_card() -> dict[str, Any]:
         tiers = [{"name": t.name, "experts_per_layer": list(t.experts_per_layer), "cost": t.cost,
@@ -120,6 +131,13 @@ def build_app(
             err = NotFoundError(f"model {asked!r} does not exist; this server serves {name!r}")
             err.field = "model"  # the error body's param
             raise err
+
+    page = resources.files(__package__).joinpath("static/chat.html").read_text(encoding="utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def chat_page() -> HTMLResponse:
+        """The chat page: talks to this server's /v1 API, loads nothing from elsewhere."""
+        return HTMLResponse(page)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -159,19 +177,14 @@ def build_app(
         states = [ChoiceState(c.index, c.prompt_index, chat, top_k) for c in choices]
         rt = aeng.engine.rt
         if rt.tenants is not None:  # choices are admitted one by one: refuse a set no quota can ever take whole
-            who = choices[0].spec.tenant
-            try:
-                rt.tenants.check_group(who, [reserved_tokens(len(c.spec.prompt), c.spec.params.max_tokens,
-                                                             rt.max_model_len) for c in choices],
-                                       prompts=choices[-1].prompt_index + 1)
-            except InvalidRequestError as exc:
-                if rt.bus.enabled:
-                    rt.bus.publish(RequestRejected(choices[0].spec.request_id, who, type(exc).__name__, str(exc)))
-                raise
+            rt.tenants.check_group(choices[0].spec.tenant, [
+                reserved_tokens(len(c.spec.prompt), c.spec.params.max_tokens, rt.max_model_len) for c in choices
+            ], prompts=choices[-1].prompt_index + 1)  # (a refusal here is counted by the gate)
         try:
             fan = await FanIn.open(aeng, choices)  # a refusal raises here: a plain 4xx, nothing left running
-        except InvalidRequestError as exc:
-            if chat and exc.field == "prompt":  # the engine's name for what chat calls messages
+        except RequestError as exc:
+            mark_reported()  # the engine published its refusal
+            if chat and isinstance(exc, InvalidRequestError) and exc.field == "prompt":  # chat calls it messages
                 raise InvalidRequestError("messages", "rendered prompt " + exc.message.removeprefix("prompt: ")
                                           ) from None
             raise

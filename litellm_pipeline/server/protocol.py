@@ -13,7 +13,7 @@ does not implement are refused by name unless they hold their neutral value.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -130,8 +130,12 @@ class TextPart(_Strict):
         return self
 
 
+# the roles OpenAI's chat API knows; a template renders only these, so another one is refused by name
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(_Strict):
-    role: str = Field(min_length=1)
+    role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
 

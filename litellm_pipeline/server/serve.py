@@ -54,8 +54,9 @@ class DrainingServer(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             shown = f"[{host}]" if ":" in host else host
             self.url = f"http://{shown}:{port}"
-            print(f"serving {self.app.state.model_name!r} at {self.url} (OpenAI API: {self.url}/v1; "
-                  f"health: {self.url}/health; metrics: {self.url}/metrics)", flush=True)
+            print(f"serving {self.app.state.model_name!r} at {self.url} (chat page: {self.url}/; OpenAI API: "
+                  f"{self.url}/v1; API docs: {self.url}/docs; health: {self.url}/health; metrics: {self.url}/metrics)",
+                  flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # runs in the main thread, which runs the event loop: hand the work to the loop

@@ -28,9 +28,11 @@ def run(cfg) -> list:
         prompts = [ex.prompt for ex in demo_prompts(cfg.model.demo_seed)]
     else:
         prompts = list(DEFAULT_PROMPTS)
-    checks = [None if cfg.chat else solve(p) for p in prompts]
-    if cfg.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    checks = [solve(p) for p in prompts]  # (the demo chat template makes the prompt the user message)
+    tok = engine.tokenizer
+    if cfg.chat:  # the template writes the special tokens it wants: none are added again (as transformers does)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    inputs = [tok.encode(p, add_special_tokens=False) if cfg.chat else p for p in prompts]
     label = (
         "embedded demo MoE (trained demo model: 4 layers, 8 experts, top-2; skills add, reverse, sort, copy, "
         "recall; prompts held out from training)"
@@ -39,7 +41,7 @@ def run(cfg) -> list:
     )
     print(f"model: {label}")
     t0 = time.perf_counter()
-    results = engine.run([engine.add_request(p, params) for p in prompts])
+    results = engine.run([engine.add_request(p, params) for p in inputs])
     elapsed = time.perf_counter() - t0
     total_out = sum(len(o.token_ids) for o in results)
     for prompt, r, check in zip(prompts, results, checks):

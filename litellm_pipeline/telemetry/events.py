@@ -150,6 +150,7 @@ class RequestAborted(Event):
     num_waiting: int = 0
     used_blocks: int = 0  # hot blocks referenced by requests (cached but unreferenced ones are not used)
     warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
+    total_blocks: int = 0  # hot blocks in the pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,3 +208,4 @@ class StepFinished(Event):
     free_blocks: int  # hot blocks an allocation could get
     used_blocks: int = 0  # hot blocks referenced by requests (num_blocks - free_blocks)
     warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
+    total_blocks: int = 0  # hot blocks in the pool

@@ -22,6 +22,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,6 +31,10 @@ from litellm_pipeline.registry import register
 from litellm_pipeline.telemetry import events as ev
 
 __all__ = ["PrometheusSink", "CONTENT_TYPE_LATEST", "PREFIX"]
+
+# no `_created` series: a timestamp per counter and histogram doubles the exposition and no dashboard reads it
+# (vLLM drops them too); prometheus-client's switch is per process
+disable_created_metrics()
 
 PREFIX = "litellm_pipeline:"
 OTHER = "other"
@@ -107,6 +112,8 @@ class PrometheusSink:
         self.blocks_used = Gauge(PREFIX + "kv_blocks_used",
                                  "KV blocks held by requests: hot (device) and warm (host, swapped out).",
                                  ("pool",), registry=r)
+        self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
+                              "Fraction of the hot KV blocks held by requests (1 = full).", registry=r)
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -227,3 +234,5 @@ class PrometheusSink:
         self.waiting.set(e.num_waiting)
         self.blocks_used.labels("hot").set(e.used_blocks)
         self.blocks_used.labels("warm").set(e.warm_used_blocks)
+        if e.total_blocks:
+            self.kv_usage.set(e.used_blocks / e.total_blocks)

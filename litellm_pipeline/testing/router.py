@@ -17,14 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from litellm_pipeline.testing._support import (
-    DEMO_PROMPTS,
-    assert_drained,
-    build_llm,
-    config_name,
-    describe,
-    resolve,
-)
+from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm, config_name, describe, resolve
 
 # tiers of every shape a router meets: uniform counts below, at and above the checkpoint's top-2, per-layer
 # lists, and ones restricted to a subset of the experts

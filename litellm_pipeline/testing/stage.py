@@ -14,14 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from litellm_pipeline.telemetry import MemorySink
-from litellm_pipeline.testing._support import (
-    DEMO_PROMPTS,
-    assert_drained,
-    build_llm,
-    config_name,
-    describe,
-    resolve,
-)
+from litellm_pipeline.testing._support import DEMO_PROMPTS, assert_drained, build_llm, config_name, describe, resolve
 
 MAX_STEPS = 2000
 CHECKED = "checked"  # the name the stage gets in the graph

@@ -195,6 +195,15 @@ def test_default_run_prints_checked_answers(tmp_path):
     assert out.count("✓") == len(TASKS) and "✗" not in out  # the default run answers every prompt
 
 
+def test_chat_run_renders_the_template_once_and_answers(tmp_path):
+    """chat=true: each prompt goes through the demo model's chat template (BOS + the user message), tokenized
+    without a second BOS, so the answers are the plain run's."""
+    out = run_cli("+recipe=generate", "chat=true", cwd=tmp_path).stdout
+    for ex in demo_prompts(0):
+        assert f">>> <s>{ex.prompt}\n{ex.answer}   ✓\n" in out
+    assert f"prompt_tokens={1 + len(demo_prompts(0)[0].prompt)} " in out and "✗" not in out
+
+
 # --- recipes ------------------------------------------------------------------------------------------------
 
 

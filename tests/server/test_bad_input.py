@@ -60,8 +60,11 @@ CASES = {
     "oversized-body": (C, {"prompt": "1" * 5000}, 413, None, ["5013 bytes", "at most 4096", "server.max_body_bytes"]),
     # declared far past the limit: answered without reading it
     "huge-body": (C, {"prompt": "1" * 400_000}, 413, None, ["400013 bytes", "at most 4096"]),
-    "chat-without-template": (CHAT, {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages",
-                              ["no chat template", "/v1/completions"]),
+    "chat-assistant-last": (CHAT, {"messages": [{"role": "user", "content": "1+2="},
+                                                {"role": "assistant", "content": "3"}]}, 400, "messages",
+                            ["the demo model answers the last message", "must be a user message"]),
+    "chat-unknown-role": (CHAT, {"messages": [{"role": "wizard", "content": "1+2="}]}, 400, "messages[0].role",
+                          ["'wizard'", "'user'", "'assistant'"]),
     "chat-empty-messages": (CHAT, {"messages": []}, 400, "messages", ["at least 1"]),
     "chat-image-part": (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
                         "messages[0].content[0]", ["only text content parts"]),

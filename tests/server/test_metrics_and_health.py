@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from server_stages import slow_steps
 
 from litellm_pipeline.config.build import build_engine
 from litellm_pipeline.config.compose import compose
@@ -17,6 +20,7 @@ NAMES = [
     "request_queue_time_seconds", "num_requests_running", "num_requests_waiting", "kv_blocks_used",
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
     "request_success", "request_rejected", "tier_selections", "budget_infeasible", "budget_violations",
+    "kv_cache_usage_perc",
 ]
 
 
@@ -67,6 +71,58 @@ def test_metrics_move_with_a_request(demo_server):
     # idle again: nothing running or waiting, no block held
     assert value(after, "num_requests_running") == 0 and value(after, "num_requests_waiting") == 0
     assert value(after, "kv_blocks_used", pool="hot") == 0
+
+
+# refusals at every layer: the gate (body too large), FastAPI's validation, a route (unknown model, empty prompt),
+# the engine's request stages (unknown tier); (request, reason counted under)
+REFUSED = [
+    ({"content": b'{"prompt": "' + b"1" * 5000 + b'"}'}, "request_too_large"),
+    ({"json": {"prompt": "1+2=", "max_tokens": -1}}, "InvalidRequestError"),
+    ({"json": {"model": "gpt-9", "prompt": "1+2="}}, "NotFoundError"),
+    ({"json": {"prompt": ""}}, "InvalidRequestError"),
+    ({"json": {"prompt": "1+2=", "tier": "turbo"}}, "InvalidRequestError"),
+    ({"json": {"messages": [{"role": "wizard", "content": "1+2="}]}, "chat": True}, "InvalidRequestError"),
+]
+
+
+def test_every_refused_request_is_counted_once(demo_server):
+    with demo_server.client() as client:
+        before = scrape(client)
+        statuses = []
+        for request, _ in REFUSED:
+            path = "/v1/chat/completions" if request.pop("chat", False) else "/v1/completions"
+            statuses.append(client.post(path, **request).status_code)
+        assert client.get("/v1/models/gpt-9").status_code == 404
+        assert client.get("/no-such-page").status_code == 404  # not an API request: not counted
+        after = scrape(client)
+    assert statuses == [413, 400, 404, 400, 400, 400]
+
+    def delta(reason: str) -> float:
+        return (value(after, "request_rejected_total", reason=reason, tenant="default")
+                - value(before, "request_rejected_total", reason=reason, tenant="default"))
+
+    assert delta("request_too_large") == 1 and delta("NotFoundError") == 2 and delta("InvalidRequestError") == 4
+    rejected = [(k, v - before.get(k, 0.0)) for k, v in after.items() if k[0].endswith("request_rejected_total")]
+    assert sum(d for _, d in rejected) == len(REFUSED) + 1
+
+
+def test_kv_usage_is_a_fraction_and_no_created_series(demo_server):
+    with demo_server.client() as client, slow_steps(demo_server, 0.05):
+        done = threading.Thread(target=lambda: demo_server.client().post(
+            "/v1/completions", json={"prompt": "copy:abcdefghijklmnopqrstuvwxyz=", "max_tokens": 30,
+                                     "ignore_eos": True}))
+        done.start()
+        deadline = time.monotonic() + 30
+        while not demo_server.engine.requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a few steps in: the step events have set the gauges
+        busy = scrape(client)
+        text = client.get("/metrics").text
+        done.join(60)
+    pool = demo_server.engine.rt.pool
+    used = value(busy, "kv_blocks_used", pool="hot")
+    assert used > 0 and value(busy, "kv_cache_usage_perc") == used / pool.num_blocks
+    assert not [line for line in text.splitlines() if "_created" in line]
 
 
 def test_health_is_ok_while_serving(demo_server):

@@ -191,14 +191,31 @@ def test_chat_equals_offline_generate_streaming_and_not(chat_server, reference):
     wait_pool_empty(chat_server.engine)
 
 
-def test_chat_without_a_template_is_a_clear_400(demo_server):
-    import openai
+def test_chat_without_a_template_is_a_clear_400(tmp_path):
+    """A checkpoint without a chat template: chat is refused naming messages and pointing at /v1/completions."""
+    import json
+    import shutil
 
-    with pytest.raises(openai.BadRequestError) as info:
-        demo_server.openai().chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
-    assert info.value.status_code == 400
-    err = info.value.body
-    assert err["param"] == "messages" and "no chat template" in err["message"]
+    from fastapi.testclient import TestClient
+
+    from litellm_pipeline.config.build import build_engine
+    from litellm_pipeline.config.compose import compose
+    from litellm_pipeline.demo import demo_checkpoint
+    from litellm_pipeline.server.app import build_app
+
+    path = tmp_path / "plain"
+    shutil.copytree(demo_checkpoint(), path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    app = build_app(build_engine(compose(["+recipe=serve", f"model.path={path}", "device.threads=1"])),
+                    model_name="plain")
+    with TestClient(app) as client:
+        resp = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "1+2="}]})
+        err = resp.json()["error"]
+        assert resp.status_code == 400 and err["param"] == "messages"
+        assert "no chat template" in err["message"] and "/v1/completions" in err["message"]
+        assert client.post("/v1/completions", json={"prompt": "1+2=", "max_tokens": 3}).status_code == 200
 
 
 def test_client_sees_unknown_model_as_not_found(demo_server):
