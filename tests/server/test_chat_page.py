@@ -1,12 +1,13 @@
-"""The front door: the chat page at ``GET /`` in a real browser (Chromium driven by selenium), and ``/docs`` and
-``/redoc`` served without a CDN.
+"""The front door: the chat page at ``GET /`` in real browsers (Chromium driven by selenium; Firefox over WebDriver
+BiDi, which it speaks itself), and ``/docs`` and ``/redoc`` served without a CDN.
 
-The browser tests need Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them); without them
-they skip, except under CI (``CI`` set), where a missing browser fails."""
+The browser tests need Debian's ``chromium``, ``chromium-driver`` and ``firefox-esr`` (``.ci/run`` installs them);
+without them they skip, except under CI (``CI`` set), where a missing browser fails."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -223,3 +224,106 @@ def test_screenshot_of_the_page(browser, demo_server, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     wait_pool_empty(demo_server.engine)
 
+
+
+# ---- in Firefox, over WebDriver BiDi (Firefox speaks it itself: no geckodriver) -----------------------------
+
+FIREFOX = shutil.which("firefox-esr") or shutil.which("firefox")
+
+
+class Bidi:
+    """The few WebDriver BiDi commands the Firefox tests need, over Firefox's own remote agent."""
+
+    def __init__(self, port: int):
+        import websocket  # websocket-client, a dependency of selenium
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.ws = websocket.create_connection(f"ws://127.0.0.1:{port}/session", timeout=60,
+                                                      suppress_origin=True)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "Firefox's remote agent did not start"
+                time.sleep(0.2)
+        self.n = 0
+        self.call("session.new", capabilities={})
+        self.context = self.call("browsingContext.getTree")["contexts"][0]["context"]
+
+    def call(self, method: str, **params):
+        self.n += 1
+        self.ws.send(json.dumps({"id": self.n, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv())
+            if msg.get("id") == self.n:
+                assert msg.get("type") != "error", msg
+                return msg["result"]
+
+    def open(self, url: str) -> None:
+        self.call("browsingContext.navigate", context=self.context, url=url, wait="complete")
+
+    def js(self, expression: str):
+        result = self.call("script.evaluate", expression=expression, target={"context": self.context},
+                           awaitPromise=True)["result"]
+        if result.get("type") == "array":
+            return [v.get("value") for v in result["value"]]
+        return result.get("value")
+
+
+@pytest.fixture(scope="module")
+def firefox(tmp_path_factory):
+    if not FIREFOX:
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the Firefox tests: apt-get install -y firefox-esr")
+        pytest.skip("no firefox (apt-get install -y firefox-esr)")
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([FIREFOX, "--headless", "--no-remote", "--profile", str(tmp_path_factory.mktemp("ff")),
+                             f"--remote-debugging-port={port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        bidi = Bidi(port)
+        yield bidi
+        bidi.call("session.end")
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+# sends a prompt as the composer does (Enter submits the form) and waits for the reply to complete
+FF_ASK = """(async () => {
+  while (!document.getElementById('model').options.length) await new Promise(f => setTimeout(f, 20));
+  const before = document.querySelectorAll('.reply').length;
+  document.getElementById('prompt').value = %s;
+  document.getElementById('composer').requestSubmit();
+  %s
+  for (let i = 0; i < 600; i++) {
+    const r = document.querySelectorAll('.reply');
+    if (r.length > before && r[r.length - 1].dataset.done)
+      return [r[r.length - 1].querySelector('.bubble').textContent, r[r.length - 1].querySelector('.stats').textContent];
+    await new Promise(f => setTimeout(f, 50));
+  }
+  return ['timeout', ''];
+})()"""
+# Stop once two characters have arrived
+FF_STOP = """for (let i = 0; i < 600; i++) {
+    const r = document.querySelectorAll('.reply');
+    if (r.length > before && r[r.length - 1].querySelector('.bubble').textContent.length >= 2) break;
+    await new Promise(f => setTimeout(f, 20));
+  }
+  document.getElementById('stop').click();"""
+
+
+def test_firefox_streams_an_answer_and_stops_a_reply(firefox, demo_server):
+    firefox.open(demo_server.url + "/")
+    text, stats = firefox.js(FF_ASK % (json.dumps("5+414="), ""))
+    assert text == "419" and "tier balanced" in stats and "TTFT" in stats
+    with slow_steps(demo_server, 0.8):
+        text, stats = firefox.js(FF_ASK % (json.dumps("copy:abcdefgh="), FF_STOP))
+        wait_pool_empty(demo_server.engine, timeout=5)
+    assert "stopped" in stats and 2 <= len(text) < len("abcdefgh") and "abcdefgh".startswith(text)
+    assert firefox.js("document.documentElement.scrollWidth <= window.innerWidth")
