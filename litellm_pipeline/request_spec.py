@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 from litellm_pipeline.budget.spec import BudgetSpec
+from litellm_pipeline.constraints.spec import ConstraintSpec, to_constraint
 from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.sampling import SamplingParams
 
@@ -70,6 +71,9 @@ class RequestSpec:
     * ``priority`` — lower is served first by the ``priority`` scheduler.
     * ``session_id`` — keep this conversation's KV pinned after the request ends.
     * ``request_id`` — the caller's id; None lets the engine name it.
+    * ``constraint`` — structured output: a :class:`ConstraintSpec` or a one-key mapping such as
+      ``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}``, ``{"grammar": "..."}`` or
+      ``{"json_object": True}`` (:mod:`litellm_pipeline.constraints`); None: free text.
     """
 
     prompt: Prompt
@@ -80,6 +84,7 @@ class RequestSpec:
     priority: int = 0
     session_id: str | None = None
     request_id: str | None = None
+    constraint: ConstraintSpec | Mapping | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -87,6 +92,7 @@ class RequestSpec:
         params = _check_model("params", SamplingParams, self.params)
         set_(self, "params", params if params is not None else SamplingParams())
         set_(self, "budget", _check_model("budget", BudgetSpec, self.budget))
+        set_(self, "constraint", to_constraint(self.constraint))
         _check_optional_str("tier", self.tier)
         _check_optional_str("session_id", self.session_id)
         _check_optional_str("request_id", self.request_id)

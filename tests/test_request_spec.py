@@ -26,6 +26,7 @@ def full_spec(request_id: str) -> RequestSpec:
         priority=3,
         session_id=f"session-{request_id}",
         request_id=request_id,
+        constraint={"regex": "[0-9a-z]{1,6}"},
     )
 
 

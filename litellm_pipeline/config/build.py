@@ -6,6 +6,7 @@ data flow, tiers against the checkpoint's config.json) is checked before a singl
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import os
@@ -18,6 +19,8 @@ from litellm_pipeline import registry
 from litellm_pipeline.budget import BudgetSpec
 from litellm_pipeline.budget.selector import BudgetPolicy, Weights
 from litellm_pipeline.config.schema import AppConfig, PipelineSection, validate_config
+from litellm_pipeline.constraints import ConstraintCompiler, ConstraintSettings
+from litellm_pipeline.constraints.grammar import Grammars
 from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.engine import Engine
@@ -305,6 +308,10 @@ def build_from_app(app: AppConfig) -> Engine:
         tenants=TenantLedger(policies) if policies else None,
         cuda_graphs=app.device.cuda_graphs and device.type == "cuda",
         huge_pages=app.device.huge_pages and device.type == "cpu",
+    )
+    rt.constraints = ConstraintCompiler(
+        functools.partial(Grammars, tokenizer, mc.vocab_size, rt.eos_token_ids, app.structured_output.any_whitespace),
+        ConstraintSettings(**app.structured_output.model_dump()),
     )
     request_stages, step_stages = [], []
     for name, cls, params in classes:

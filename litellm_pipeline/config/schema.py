@@ -156,6 +156,15 @@ class CacheSection(_Section):
     max_sessions: int = Field(default=64, ge=0)
 
 
+class StructuredOutputSection(_Section):
+    # conf/structured_output: litellm_pipeline.constraints.ConstraintSettings
+    any_whitespace: bool = False
+    max_spec_bytes: int = Field(default=65536, ge=64)
+    compile_timeout_s: float = Field(default=10.0, gt=0)
+    compile_threads: int = Field(default=2, ge=1, le=64)
+    cache_entries: int = Field(default=256, ge=1)
+
+
 class MoESection(_Section):
     # expert offload: experts per MoE layer kept in device memory (null: all); the rest stay in host memory
     hot_experts: int | None = Field(default=None, ge=1)
@@ -278,6 +287,7 @@ class AppConfig(_Section):
     telemetry: TelemetrySection = TelemetrySection()
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()
+    structured_output: StructuredOutputSection = StructuredOutputSection()
     # conf/tenants: name -> tenant; empty = the open single-tenant mode (no API key, no quota)
     tenants: dict[str, TenantSection] = {}
     # task-specific sections: validated by the task that reads them

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
+from litellm_pipeline.constraints.grammar import bitmask_words
 from litellm_pipeline.engine.request import (
     Request,
     RequestOutput,
@@ -110,6 +111,8 @@ class Engine:
         except TokenizerError as exc:  # text that is no Unicode text
             raise InvalidRequestError("prompt", str(exc)) from None
         req = Request(spec, ids, request_id=spec.request_id)
+        if spec.constraint is not None:  # compiled here, on the caller's thread: never under the engine lock
+            req.matcher = self._start_constraint(spec)
         bus = self.bus
         with self._locked():
             if bus.enabled:
@@ -130,6 +133,20 @@ class Engine:
                 raise
             self._admit(req)
         return req
+
+    def _start_constraint(self, spec: RequestSpec):
+        compiler = self.rt.constraints
+        if compiler is None:
+            raise InvalidRequestError("constraint", "this engine was built without structured output")
+        matcher = compiler.compile(spec.constraint).matcher()
+        bitmask = torch.empty((1, bitmask_words(self.rt.model_cfg.vocab_size)), dtype=torch.int32)
+        matcher.fill_bitmask(bitmask, 0)
+        if not bool(bitmask.any()):
+            raise InvalidRequestError(
+                f"constraint.{spec.constraint.kind}",
+                "allows no token this model's vocabulary can write as the first token of the output "
+                f"(the vocabulary has {self.rt.tokenizer.vocab_size} tokens)")
+        return matcher
 
     def _admit(self, req: Request) -> None:
         """Every request stage passed: name the request, give it what it needs to run, queue it."""
@@ -256,6 +273,13 @@ class Engine:
             reason = (e.finish_reason if e is not None else None) or req.stop_reason(
                 token, rt.eos_token_ids, rt.max_model_len
             )
+            if req.matcher is not None:
+                if not req.matcher.accept(token):
+                    outputs.append(self._fail(req, f"request {req.request_id!r}: the sampler chose token {token}, "
+                                                   "which its constraint does not allow"))
+                    continue
+                if reason is None and req.matcher.is_terminated():
+                    reason = "stop"
             req.output_ids.append(token)
             if req.logprobs is not None:
                 req.logprobs.append(logprobs)

@@ -18,6 +18,7 @@ from litellm_pipeline.tiers import TierSet
 
 if TYPE_CHECKING:
     from litellm_pipeline.budget.selector import Selection
+    from litellm_pipeline.registry.interfaces import Matcher
     from litellm_pipeline.text.detokenizer import IncrementalDetokenizer
 
 
@@ -55,6 +56,7 @@ class Request:
     # set by the engine on admission
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
+    matcher: Matcher | None = None  # its constraint's state (structured output); advanced as tokens are kept
     # engine bookkeeping (the engine's postprocess and the scheduler own these)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from litellm_pipeline.budget.selector import BudgetPolicy
+from litellm_pipeline.constraints import ConstraintCompiler
 from litellm_pipeline.engine.block_pool import BlockPool
 from litellm_pipeline.engine.tenants import TenantLedger
 from litellm_pipeline.model.config import ModelConfig
@@ -39,6 +40,7 @@ class Runtime:
     tenants: TenantLedger | None = None  # the quotas of conf/tenants (None: no tenant has one)
     cuda_graphs: bool = False  # device.cuda_graphs on a CUDA device: the decode stage replays captured graphs
     huge_pages: bool = False  # device.huge_pages on a CPU device: the decode stage packs the weights into huge pages
+    constraints: ConstraintCompiler | None = None  # structured output (None: requests with a constraint are refused)
 
 
 def allocate_kv_cache(

@@ -51,6 +51,7 @@ KINDS: tuple[str, ...] = (
     "budget_solver",
     "scheduler",
     "telemetry",
+    "constraint",
 )
 PLUGIN_GROUP = "litellm_pipeline.plugins"
 _PACKAGE = __name__.split(".")[0]

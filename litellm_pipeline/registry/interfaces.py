@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch (and the Request, which holds a torch generator) only
 
 __all__ = [
     "PipelineStage", "TextFilter", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
-    "DescribedKVPolicy", "BudgetSolver", "Scheduler", "TelemetrySink", "Interface", "INTERFACES", "REFERENCE_TOLERANCE",
+    "DescribedKVPolicy", "Matcher", "CompiledConstraint", "Constraint", "BudgetSolver", "Scheduler", "TelemetrySink", "Interface", "INTERFACES", "REFERENCE_TOLERANCE",
 ]
 
 # (atol, rtol) an attention, moe_dispatch or layer_ops entry must meet against the reference (``sdpa``,
@@ -322,6 +322,53 @@ class Sampler(Protocol):
 
 
 @runtime_checkable
+class Matcher(Protocol):
+    """One request's place in its constraint: which tokens may come next. Made by
+    :meth:`CompiledConstraint.matcher` when the request is admitted; called by the engine only."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Once per step that samples the request, inside the sample stage: write row ``row`` of ``bitmask``
+        (int32 ``[R, ceil(V / 32)]`` on the CPU), every word of it: bit ``t % 32`` of word ``t // 32`` set
+        means token ``t`` may come next. End-of-sequence tokens are set only where the output may end."""
+
+    def accept(self, token: int) -> bool:
+        """Once per sampled token, in the engine's postprocess (after every stage of the step succeeded):
+        advance past ``token``; False if the constraint does not allow it (the engine then fails the request)."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` accepted tokens (the engine takes back tokens it did not keep)."""
+
+    def is_terminated(self) -> bool:
+        """True once the output is complete (an end-of-sequence token was accepted): the request finishes."""
+
+
+@runtime_checkable
+class CompiledConstraint(Protocol):
+    """What :meth:`Constraint.compile` returns: cached by the engine and shared by every request with the
+    same spec, so it must not hold per-request state."""
+
+    def matcher(self) -> Matcher:
+        """A fresh :class:`Matcher` at the start of the output (once per admitted request)."""
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """Kind ``constraint``: a kind of structured output, chosen per request as ``constraint={NAME: value}``
+    (on the server also ``response_format``, ``structured_outputs`` and ``tools``).
+
+    Built once per engine, on first use, as ``cls(grammars)``: ``grammars`` is the engine's
+    :class:`~litellm_pipeline.constraints.grammar.Grammars` (xgrammar over the checkpoint's vocabulary), whose
+    ``json_schema``, ``regex`` and ``ebnf`` methods return ready compiled constraints.
+    """
+
+    def compile(self, value: Any) -> CompiledConstraint:
+        """A request's value (plain JSON data) compiled. Runs on a compile thread, off the step loop, once per
+        distinct value (the engine caches by a hash of kind and value) and within
+        ``structured_output.compile_timeout_s``. Raise ``ValueError`` saying what is wrong with ``value``: the
+        request is refused with that message (HTTP 400)."""
+
+
+@runtime_checkable
 class KVPolicy(Protocol):
     """Kind ``kv_policy``: which cached-but-unused KV block to give up first (``cache.kv_policy``).
 
@@ -487,6 +534,7 @@ INTERFACES: Mapping[str, Interface] = {
                   built_as="cls(kv, max_num_seqs, max_num_batched_tokens, preemption, bus=bus[, weights=...])",
                   build_args=4, build_kwargs=("bus",), build_exact=True, build_kwargs_if_accepted=("weights",)),
         Interface("telemetry", TelemetrySink, built_as="cls(**params)"),
+        Interface("constraint", Constraint, built_as="cls(grammars)", build_args=1),
     )
 }
 

@@ -32,6 +32,7 @@ class KindSpec:
     select: str  # the override that selects NAME
     check: str  # the kit's check function
     method_bodies: tuple[tuple[str, str], ...] = ()  # method -> body replacing the delegation to the reference
+    check_args: str = ""  # further arguments of the generated test's check call
 
 
 KINDS: dict[str, KindSpec] = {
@@ -55,6 +56,9 @@ KINDS: dict[str, KindSpec] = {
                           "pipeline.stages.decode.params.attention=$name", "check_attention"),
     "moe_dispatch": KindSpec("packed", "litellm_pipeline.model.moe:packed_dispatch",
                              "pipeline.stages.decode.params.moe_dispatch=$name", "check_moe_dispatch"),
+    "constraint": KindSpec("regex", "litellm_pipeline.constraints.kinds:Regex",
+                           "per request: constraint={'$name': VALUE} (server: structured_outputs={'$name': VALUE})",
+                           "check_constraint", check_args=', values=["[0-9]{1,3}", "(yes|no)!"], bad_values=["(a"]'),
     "router": KindSpec("tierset", "litellm_pipeline.tiers.router:TierSetRouter",
                        "pipeline.stages.route.params.router=$name", "check_router"),
 }
@@ -211,7 +215,7 @@ TEST_CHECK = Template('''
 def test_conformance():
     from litellm_pipeline.testing import $check
 
-    $check("$name")
+    $check("$name"$check_args)
 ''')
 
 README = Template('''\
@@ -253,7 +257,8 @@ def render(name: str, kind: str) -> dict[str, str]:
     spec, iface = KINDS[kind], INTERFACES[kind]
     code, attr = implementation(name, kind)
     select = Template(spec.select).substitute(name=name)
-    sub = dict(name=name, kind=kind, attr=attr, select=select, check=spec.check, reference=spec.reference,
+    sub = dict(name=name, kind=kind, attr=attr, select=select, check=spec.check, check_args=spec.check_args,
+               reference=spec.reference,
                ref_import=spec.ref_import, qualname=iface.qualname, built_as=iface.built_as)
     test = TEST_HEAD.substitute(sub) + TEST_CHECK.substitute(sub)
     test_text = f"runs the conformance kit's `{spec.check}(\"{name}\")`."

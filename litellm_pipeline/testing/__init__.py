@@ -23,11 +23,13 @@ def test_my_policy_conforms():
 | sampler | :func:`check_sampler` | greedy ties, top-k/top-p/min-p, seeded determinism, draw frequencies, logprobs |
 | stage | :func:`check_stage` | the demo model's pipeline with the stage in it: mixed batches, streaming, aborts, preemption |
 | scheduler | :func:`check_scheduler` | tiny pools with recompute and swap preemption, late arrivals, aborts; every plan checked |
+| constraint | :func:`check_constraint` | compile of good and bad values, seeded token walks through the mask to end-of-sequence, refusals, rollback; the demo engine |
 | telemetry | :func:`check_telemetry_sink` | one event of every type, a real run's events, and a live engine |
 """
 
 from litellm_pipeline.testing.attention import check_attention
 from litellm_pipeline.testing.budget_solver import check_budget_solver
+from litellm_pipeline.testing.constraint import check_constraint
 from litellm_pipeline.testing.kv_policy import check_kv_policy
 from litellm_pipeline.testing.layer_ops import check_layer_ops
 from litellm_pipeline.testing.moe_dispatch import check_moe_dispatch
@@ -40,6 +42,7 @@ from litellm_pipeline.testing.telemetry import check_telemetry_sink
 __all__ = [
     "check_attention",
     "check_budget_solver",
+    "check_constraint",
     "check_kv_policy",
     "check_layer_ops",
     "check_moe_dispatch",

@@ -30,6 +30,7 @@ BUILTIN_NAMES = {
     "budget_solver": {"exact", "greedy"},
     "scheduler": {"fcfs", "priority", "fair"},
     "telemetry": {"none", "memory", "prometheus"},
+    "constraint": {"json_schema", "json_object", "regex", "choice", "grammar"},
 }
 FAKE_MODULES = ("fake_iface_bad", "fake_iface_half", "fake_iface_good", "fake_iface_lazy")
 

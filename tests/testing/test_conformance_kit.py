@@ -21,6 +21,7 @@ from litellm_pipeline.telemetry import MemorySink
 from litellm_pipeline.testing import (
     check_attention,
     check_budget_solver,
+    check_constraint,
     check_kv_policy,
     check_layer_ops,
     check_moe_dispatch,
@@ -43,6 +44,7 @@ BUILTINS = {
     "sampler": ["default", "greedy"],
     "scheduler": ["fair", "fcfs", "priority"],
     "telemetry": ["memory", "none", "prometheus"],
+    "constraint": ["choice", "grammar", "json_object", "json_schema", "regex"],
     "stage": ["admit", "decode", "emit", "prefill", "route", "sample", "select_tier"],
 }
 
@@ -109,6 +111,26 @@ def test_builtin_router(name):
 @pytest.mark.parametrize("name", BUILTINS["sampler"])
 def test_builtin_sampler(name):
     check_sampler(name, stochastic=name != "greedy")
+
+
+# values each built-in constraint kind must compile, and values it must refuse
+CONSTRAINT_CASES = {
+    "json_schema": ([{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                                       "b": {"enum": ["x", "y"]}, "c": {"type": "string", "maxLength": 4}},
+                      "required": ["a", "b", "c"]},
+                     {"schema": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}, "strict": False}],
+                    ["not a schema", {"type": "strin"}, {"schema": {"type": "object"}, "strict": "yes"}]),
+    "json_object": ([True], [False, {"type": "object"}]),
+    "regex": (["[0-9]{1,3}", "(yes|no)!"], ["(a", "", 7]),
+    "choice": ([["yes", "no"], ["a \"quoted\" one", "back\\slash", "日本"]], [[], "yes", [1], [""]]),
+    "grammar": (['root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'], ["root ::= ", "root ::= undefined_rule", ""]),
+}
+
+
+@pytest.mark.parametrize("name", BUILTINS["constraint"])
+def test_builtin_constraint(name):
+    good, bad = CONSTRAINT_CASES[name]
+    check_constraint(name, good, bad)
 
 
 @pytest.mark.parametrize("name", BUILTINS["scheduler"])
