@@ -98,6 +98,11 @@ class AsyncEngine:
         if not self.running:
             raise OverloadedError("AsyncEngine is not running: call start() or use 'async with'")
         spec = to_spec(prompt, params, **fields)
+        if spec.constraint is not None:  # a compile may take a while: not on the event loop
+            try:
+                await asyncio.to_thread(self.engine.prepare_constraint, spec)
+            except InvalidRequestError:
+                pass  # add_request refuses it below, as it refuses everything (and reports it)
         if spec.request_id is None:
             spec = spec.replace(request_id=f"async-{next(_ids)}")
         rid = spec.request_id

@@ -111,9 +111,15 @@ class Engine:
         except TokenizerError as exc:  # text that is no Unicode text
             raise InvalidRequestError("prompt", str(exc)) from None
         req = Request(spec, ids, request_id=spec.request_id)
-        if spec.constraint is not None:  # compiled here, on the caller's thread: never under the engine lock
-            req.matcher = self._start_constraint(spec)
         bus = self.bus
+        if spec.constraint is not None:  # compiled here, on the caller's thread: never under the engine lock
+            try:
+                req.matcher = self._start_constraint(spec)
+            except Exception as exc:
+                if bus.enabled:
+                    bus.publish(RequestArrived(spec.request_id, spec.tenant, len(ids)))
+                    bus.publish(RequestRejected(spec.request_id, spec.tenant, type(exc).__name__, str(exc), ""))
+                raise
         with self._locked():
             if bus.enabled:
                 bus.publish(RequestArrived(spec.request_id, spec.tenant, len(ids)))
@@ -134,11 +140,16 @@ class Engine:
             self._admit(req)
         return req
 
-    def _start_constraint(self, spec: RequestSpec):
+    def prepare_constraint(self, spec: RequestSpec):
+        """Compile ``spec``'s constraint now (or find it in the cache): what ``add_request`` does first, for a
+        caller that must not wait there (an event loop runs this on a worker thread). Raises its refusal."""
         compiler = self.rt.constraints
         if compiler is None:
             raise InvalidRequestError("constraint", "this engine was built without structured output")
-        matcher = compiler.compile(spec.constraint).matcher()
+        return compiler.compile(spec.constraint)
+
+    def _start_constraint(self, spec: RequestSpec):
+        matcher = self.prepare_constraint(spec).matcher()
         bitmask = torch.empty((1, bitmask_words(self.rt.model_cfg.vocab_size)), dtype=torch.int32)
         matcher.fill_bitmask(bitmask, 0)
         if not bool(bitmask.any()):

@@ -43,6 +43,7 @@ from litellm_pipeline.server.responses import (
     usage,
 )
 from litellm_pipeline.server.specs import Choice, Limits, chat_specs, completion_specs
+from litellm_pipeline.server.tools import ToolCallReader
 from litellm_pipeline.telemetry import RequestRejected
 from litellm_pipeline.telemetry.prometheus import CONTENT_TYPE_LATEST, PrometheusSink
 
@@ -174,7 +175,8 @@ def build_app(
 
     async def serve(request: Request, body, choices: list[Choice], chat: bool, top_k: int | None):
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        states = [ChoiceState(c.index, c.prompt_index, chat, top_k) for c in choices]
+        states = [ChoiceState(c.index, c.prompt_index, chat, top_k,
+                              reader=ToolCallReader(c.tools) if c.tools is not None else None) for c in choices]
         rt = aeng.engine.rt
         if rt.tenants is not None:  # choices are admitted one by one: refuse a set no quota can ever take whole
             rt.tenants.check_group(choices[0].spec.tenant, [
@@ -234,6 +236,18 @@ def build_app(
             async for index, out in fan:
                 state = states[index]
                 text, logprobs = state.add(out, token_text)
+                if state.reader is not None:  # tool calls: deltas of the reader, not of the text
+                    for delta in state.tool_deltas[:-1]:
+                        yield sse([{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                    last = state.tool_deltas[-1:]
+                    if not last and logprobs is None and not out.finished:
+                        continue
+                    choice = {"index": index, "delta": last[0] if last else {}, "logprobs": logprobs,
+                              "finish_reason": state.finish_reason if out.finished else None}
+                    if out.finished:
+                        choice["cost"] = state.cost
+                    yield sse([choice])
+                    continue
                 if not text and logprobs is None and not out.finished:
                     continue
                 choice: dict[str, Any] = {"index": index}

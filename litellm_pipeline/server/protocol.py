@@ -6,18 +6,22 @@ float) and the shape of the prompt or messages. Value *ranges* of the sampling f
 into :class:`~litellm_pipeline.request_spec.RequestSpec` objects by :mod:`litellm_pipeline.server.specs`.
 
 Beyond OpenAI's fields a body may carry the runtime's own: ``tier``, ``budget`` (a BudgetSpec mapping),
-``session_id``, ``priority``, ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+``session_id``, ``priority``, ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and
+vLLM's structured-output extras: ``structured_outputs`` (``{"json"|"regex"|"choice"|"grammar"|"json_object"|<a
+constraint kind>: value}``) and the older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 Unknown fields are refused (a typo like ``max_token`` must not be silently ignored); OpenAI fields this server
 does not implement are refused by name unless they hold their neutral value.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions"]
+__all__ = ["CompletionRequest", "ChatCompletionRequest", "ChatMessage", "StreamOptions", "ResponseFormat", "Tool",
+           "NamedToolChoice"]
 
 
 class _Strict(BaseModel):
@@ -34,13 +38,54 @@ _NEUTRAL: dict[str, tuple] = {
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
 }
+
+
+class JsonSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's structured outputs."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None  # outputs always validate against the schema here, strict or not
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("type json_schema needs json_schema: {name, schema}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"json_schema: only allowed with type json_schema (got type {self.type})")
+        return self
+
+
+class FunctionDef(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _Common(_Strict):
@@ -67,17 +112,20 @@ class _Common(_Strict):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # structured output (litellm_pipeline/constraints): at most one of these per request
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # refused unless neutral (see _NEUTRAL)
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
     logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
 
     @field_validator("n", "stream", "priority", mode="before")
     @classmethod
@@ -134,10 +182,23 @@ class TextPart(_Strict):
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: ChatRole
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as chat templates read it (text parts joined by newlines, as vLLM does)."""
@@ -147,7 +208,20 @@ class ChatMessage(_Strict):
         msg: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_calls is not None:
+            # templates read the arguments as a mapping (vLLM and transformers' chat templates do)
+            msg["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
         return msg
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_Common):
@@ -159,6 +233,10 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None  # needs logprobs: true
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; None: "auto" with tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("logprobs", "add_generation_prompt", mode="before")
     @classmethod
@@ -169,6 +247,18 @@ class ChatCompletionRequest(_Common):
     def _consistent(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or ()]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: names function {self.tool_choice.function.name!r}, which tools do not "
+                                 f"define (defined: {', '.join(names) or 'none'})")
+        elif self.tool_choice in ("auto", "required") and not self.tools:
+            raise ValueError(f"tool_choice: {self.tool_choice!r} needs tools")
+        if self.tools:
+            seen = [t.function.name for t in self.tools]
+            dup = sorted({n for n in seen if seen.count(n) > 1})
+            if dup:
+                raise ValueError(f"tools: function names must be unique (repeated: {', '.join(dup)})")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
                 and self.max_tokens != self.max_completion_tokens):
             raise ValueError(

@@ -12,6 +12,7 @@ from functools import lru_cache
 from typing import Any, Callable
 
 from litellm_pipeline.engine.request import RequestOutput
+from litellm_pipeline.server.tools import ToolCallReader
 from litellm_pipeline.text.tokenizer import Tokenizer
 
 __all__ = ["ChoiceState", "TokenText", "usage", "completion_body", "chat_body", "chunk"]
@@ -70,12 +71,16 @@ class ChoiceState:
     text_offset: list[int] = field(default_factory=list)
     # chat format
     content: list[dict[str, Any]] = field(default_factory=list)
+    reader: ToolCallReader | None = None  # chat with tools: the text read back as tool calls
+    tool_deltas: list[dict[str, Any]] = field(default_factory=list)  # the stream deltas of the latest add()
 
     def add(self, out: RequestOutput, token_text: TokenText) -> tuple[str, dict | None]:
         """Take one delta; returns its text and its logprobs in this choice's format (None if not asked)."""
         self.text += out.delta_text
         if out.finished:
             self.final = out
+        if self.reader is not None:
+            self.tool_deltas = self.reader.feed(out.delta_text) + (self.reader.finish() if out.finished else [])
         if self.top_k is None or out.logprobs is None:
             return out.delta_text, None
         # out.logprobs is the request's whole (growing) list: this delta's tokens are its tail
@@ -118,7 +123,21 @@ class ChoiceState:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.final.finish_reason if self.final is not None else None
+        reason = self.final.finish_reason if self.final is not None else None
+        if reason == "stop" and self.reader is not None and self.reader.calls:
+            return "tool_calls"
+        return reason
+
+    def message(self) -> dict[str, Any]:
+        """The chat choice's message: its text, or its tool calls (and, for "auto", the text around them)."""
+        if self.reader is None:
+            return {"role": "assistant", "content": self.text}
+        msg: dict[str, Any] = {"role": "assistant", "content": self.reader.content or None}
+        if self.reader.calls:
+            msg["tool_calls"] = self.reader.calls
+        elif self.reader.mode.kind != "auto":  # a forced call that did not complete (e.g. max_tokens): the text
+            msg["content"] = self.text
+        return msg
 
     @property
     def cost(self) -> dict | None:
@@ -153,7 +172,7 @@ def completion_body(rid: str, model: str, choices: list[ChoiceState]) -> dict[st
 
 def chat_body(rid: str, model: str, choices: list[ChoiceState]) -> dict[str, Any]:
     return {**_head(rid, "chat.completion", model, int(time.time())),
-            "choices": [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "choices": [{"index": c.index, "message": c.message(),
                          "logprobs": c.logprobs_body(), "finish_reason": c.finish_reason, "cost": c.cost}
                         for c in choices],
             "usage": usage(choices)}

@@ -19,6 +19,7 @@ from litellm_pipeline.errors import InvalidRequestError, InvalidValueError
 from litellm_pipeline.request_spec import RequestSpec
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.server.protocol import ChatCompletionRequest, CompletionRequest
+from litellm_pipeline.server.tools import ToolMode, body_constraint, tool_mode
 from litellm_pipeline.text.tokenizer import Tokenizer, TokenizerError, not_unicode
 
 __all__ = ["Choice", "Limits", "completion_specs", "chat_specs", "COMPLETION_DEFAULT_MAX_TOKENS"]
@@ -47,6 +48,7 @@ class Choice:
     index: int
     prompt_index: int
     spec: RequestSpec
+    tools: ToolMode | None = None  # chat with tools: how its text is read back as tool calls
 
 
 def completion_specs(body: CompletionRequest, tok: Tokenizer, limits: Limits, tenant: str = "") -> list[Choice]:
@@ -64,7 +66,7 @@ def completion_specs(body: CompletionRequest, tok: Tokenizer, limits: Limits, te
         except TokenizerError as exc:
             raise InvalidRequestError("prompt" if len(prompts) == 1 else f"prompt[{len(ids)}]", str(exc)) from None
     return _choices(body, ids, body.max_tokens, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, body.logprobs,
-                    limits, tenant)
+                    limits, tenant, constraint=body_constraint(body))
 
 
 def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tenant: str = "") -> list[Choice]:
@@ -76,8 +78,13 @@ def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tena
             if problem is not None:
                 raise InvalidRequestError(f"messages[{i}].{key}", problem)
     messages = [m.as_template_message() for m in body.messages]
+    mode = tool_mode(body, template_knows_tools(tok))
+    constraint = body_constraint(body, mode)
+    extra = {}
+    if body.tools and body.tool_choice != "none" and template_knows_tools(tok):
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in body.tools]
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt)
+        text = tok.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, **extra)
     except TokenizerError as exc:
         if not tok.chat_templates:
             raise InvalidRequestError(
@@ -90,7 +97,13 @@ def chat_specs(body: ChatCompletionRequest, tok: Tokenizer, limits: Limits, tena
     key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _choices(body, [ids], asked, key, None, logprobs, limits, tenant, logprobs_key="top_logprobs")
+    return _choices(body, [ids], asked, key, None, logprobs, limits, tenant, logprobs_key="top_logprobs",
+                    constraint=constraint, tools=mode)
+
+
+def template_knows_tools(tok: Tokenizer) -> bool:
+    """Whether the chat template renders a ``tools`` list (a "tool_use" template, or one that reads ``tools``)."""
+    return "tool_use" in tok.chat_templates or "tools" in tok.chat_templates.get("default", "")
 
 
 def _is_prompt_list(p: Any) -> bool:
@@ -98,7 +111,8 @@ def _is_prompt_list(p: Any) -> bool:
 
 
 def _choices(body, prompts: list[list[int]], asked: int | None, key: str, default: int | None,
-             logprobs: int | None, limits: Limits, tenant: str, logprobs_key: str = "logprobs") -> list[Choice]:
+             logprobs: int | None, limits: Limits, tenant: str, logprobs_key: str = "logprobs",
+             constraint=None, tools: ToolMode | None = None) -> list[Choice]:
     if body.n > limits.max_n:
         raise InvalidRequestError("n", f"must be <= {limits.max_n} (got {body.n}): the server's cap (server.max_n)")
     base = uuid.uuid4().hex[:16]
@@ -106,7 +120,7 @@ def _choices(body, prompts: list[list[int]], asked: int | None, key: str, defaul
     if logprobs is not None:
         fields["logprobs"] = logprobs
     extra = dict(tier=body.tier, budget=body.budget, tenant=tenant, priority=body.priority,
-                 session_id=body.session_id)
+                 session_id=body.session_id, constraint=constraint)
     out = []
     for i, ids in enumerate(prompts):
         max_tokens = _max_tokens(asked, key, default, len(ids), limits.max_model_len)
@@ -116,7 +130,8 @@ def _choices(body, prompts: list[list[int]], asked: int | None, key: str, defaul
                 seed = seed + j if seed + j <= _SEED_MAX else seed - j
             params = _params({**fields, "max_tokens": max_tokens, "seed": seed},
                              {"max_tokens": key, "logprobs": logprobs_key})
-            out.append(Choice(i * body.n + j, i, RequestSpec(ids, params, request_id=f"{base}-{i}-{j}", **extra)))
+            out.append(Choice(i * body.n + j, i, RequestSpec(ids, params, request_id=f"{base}-{i}-{j}", **extra),
+                              tools))
     return out
 
 
