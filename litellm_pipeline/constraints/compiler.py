@@ -10,9 +10,10 @@ naming ``constraint.<kind>`` and what was wrong (a 400 on the server).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -22,6 +23,34 @@ from litellm_pipeline.constraints.spec import ConstraintSpec
 from litellm_pipeline.errors import InvalidRequestError, OverloadedError
 
 __all__ = ["ConstraintSettings", "ConstraintCompiler"]
+
+
+_MAX_TIMED_OUT = 4096  # specs remembered as too slow to compile
+
+
+class _CompileThreads:
+    """A fixed pool of daemon threads: a compile that never ends must not keep the process from exiting
+    (``ThreadPoolExecutor`` joins its threads at exit)."""
+
+    def __init__(self, n: int):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"constraint-compile-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, arg: Any) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, fn, arg))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, arg = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up before it started
+            try:
+                future.set_result(fn(arg))
+            except BaseException as exc:  # handed to the caller, who decides
+                future.set_exception(exc)
 
 
 @dataclass(frozen=True)
@@ -46,8 +75,8 @@ class ConstraintCompiler:
         self._kinds: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Any] = OrderedDict()
-        self._timed_out: set[str] = set()
-        self._pool: ThreadPoolExecutor | None = None
+        self._timed_out: OrderedDict[str, None] = OrderedDict()
+        self._pool: _CompileThreads | None = None
         self.compiles = 0  # compiles run (cache misses), for tests and the bench
 
     @property
@@ -74,8 +103,9 @@ class ConstraintCompiler:
         field = f"constraint.{spec.kind}"
         text = spec.text
         limit = self.settings.max_spec_bytes
-        if len(text.encode("utf-8")) > limit:
-            raise InvalidRequestError(field, f"is {len(text.encode('utf-8'))} bytes of JSON; at most {limit} are allowed")
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            raise InvalidRequestError(field, f"is {size} bytes of JSON; at most {limit} are allowed")
         key = spec.key
         with self._lock:
             hit = self._cache.get(key)
@@ -87,7 +117,7 @@ class ConstraintCompiler:
         kind = self._kind(spec.kind)
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.settings.compile_threads, thread_name_prefix="constraint-compile")
+                self._pool = _CompileThreads(self.settings.compile_threads)
             pool = self._pool
         future = pool.submit(kind.compile, spec.value)
         try:
@@ -97,7 +127,9 @@ class ConstraintCompiler:
                 raise OverloadedError("every constraint compile thread is busy; retry later",
                                       retry_after_s=self.settings.compile_timeout_s) from None
             with self._lock:
-                self._timed_out.add(key)
+                self._timed_out[key] = None
+                while len(self._timed_out) > _MAX_TIMED_OUT:
+                    self._timed_out.popitem(last=False)
             raise InvalidRequestError(field, self._timeout_text()) from None
         except (ValueError, TypeError) as exc:
             raise InvalidRequestError(field, str(exc)) from None
@@ -111,7 +143,3 @@ class ConstraintCompiler:
     def _timeout_text(self) -> str:
         return (f"took longer than {self.settings.compile_timeout_s:g} s to compile "
                 "(structured_output.compile_timeout_s); simplify it")
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)

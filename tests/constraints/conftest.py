@@ -27,8 +27,3 @@ def tiny_pool(hf_checkpoint) -> LLM:
     """The same model with a KV cache too small for a batch: requests are preempted and recomputed."""
     return LLM(model=str(hf_checkpoint("llama")), dtype="float32", device="cpu", block_size=4, num_blocks=24)
 
-
-def pool_empty(llm: LLM) -> None:
-    pool = llm.engine.rt.pool
-    assert pool.is_empty() and not any(pool.ref_counts), f"{pool.num_blocks - pool.num_free} KV blocks still held"
-    assert not llm.engine.requests and not llm.engine.has_unfinished()

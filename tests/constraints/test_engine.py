@@ -10,7 +10,7 @@ import threading
 import jsonschema
 import pytest
 import torch
-from conftest import pool_empty
+from _constraint_util import pool_empty
 from hf_models import EOS_ID, load_hf_model, random_prompts
 
 from litellm_pipeline import SamplingParams, registry
@@ -40,7 +40,8 @@ def test_greedy_constrained_tokens_are_the_argmax_of_the_masked_transformers_log
         bm = torch.zeros((1, (logits.shape[-1] + 31) // 32), dtype=torch.int32)
         for step, token in enumerate(out.token_ids):
             m.fill_bitmask(bm, 0)
-            bits = torch.tensor([(int(bm[0, t // 32]) >> (t % 32)) & 1 for t in range(logits.shape[-1])], dtype=torch.bool)
+            bits = torch.tensor([(int(bm[0, t // 32]) >> (t % 32)) & 1 for t in range(logits.shape[-1])],
+                                dtype=torch.bool)
             assert bits[token], f"step {step}: token {token} is not allowed"
             assert int(logits[step].masked_fill(~bits, float("-inf")).argmax()) == token, f"step {step}"
             assert m.accept(token)
@@ -66,7 +67,8 @@ def test_free_requests_are_bit_identical_beside_constrained_ones(tiny):
 
 def test_end_of_sequence_only_where_the_grammar_ends_and_length_mid_structure(tiny):
     p = random_prompts([6], seed=8)[0]
-    (out,) = tiny.generate([p], SamplingParams(temperature=1.0, seed=2, max_tokens=30), constraint={"regex": "[0-9]{4}"})
+    (out,) = tiny.generate([p], SamplingParams(temperature=1.0, seed=2, max_tokens=30),
+                           constraint={"regex": "[0-9]{4}"})
     assert re.fullmatch("[0-9]{4}", out.text) and len(out.token_ids) == 5 and out.token_ids[-1] == EOS_ID
     assert out.finish_reason == "stop"
     (cut,) = tiny.generate([p], SamplingParams(temperature=0, max_tokens=6), constraint={"json_schema": PERSON})
