@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from litellm_pipeline.bench import engine_runs, llamacpp, peer, report
+from litellm_pipeline.bench import engine_runs, llamacpp, peer, report, structured
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
 from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
@@ -57,14 +58,15 @@ def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_l
         limit = min(cfg.get("max_position_embeddings", 2048), max_model_len or 10**9)
         for what, need in (("prompt_len[1] + output_len[1]", s.prompt_len[1] + s.output_len[1]),
                            ("batch1_prompt_len + batch1_output_len", s.batch1_prompt_len + s.batch1_output_len),
-                           ("prefix_len + prefix_suffix_len + 1", s.prefix_len + s.prefix_suffix_len + 1)):
+                           ("prefix_len + prefix_suffix_len + 1", s.prefix_len + s.prefix_suffix_len + 1),
+                           ("structured_max_tokens + 24", (s.structured_max_tokens + 24) if s.structured else 0)):
             if need > limit:
                 raise ConfigError(f"bench.{what} = {need} exceeds model {name}'s context of {limit} tokens")
 
 
 def _units(s: BenchSettings, n_models: int, n_single: int) -> int:
     per_run = 3 + s.num_requests + (1 if s.prefix_len else 0) + (2 + s.num_requests if s.deterministic else 0)
-    per_run += len(s.offload)
+    per_run += len(s.offload) + (1 if s.structured else 0)
     if s.peer:
         per_run += 2 + s.num_requests + n_single
     if s.llamacpp:
@@ -152,6 +154,10 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         mark("expert offload")
     else:
         bar.update(len(s.offload))
+    row["structured"] = None
+    if s.structured:
+        row["structured"] = _measure_structured(path, s, base, bar, tag, dtype)
+        mark("structured output")
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
     if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
         bar.update(2 + s.num_requests + len(single_items))
@@ -254,6 +260,24 @@ def _measure_offload(path, s: BenchSettings, base: dict, b1, resident: dict, bar
         del engine
         gc.collect()
     return out
+
+
+def _measure_structured(path: Path, s: BenchSettings, base: dict, bar: tqdm, tag: str, dtype: str) -> dict:
+    """Masking overhead and compile time (bench/structured.py) on this model's shape with a trained BPE vocabulary."""
+    from litellm_pipeline.config.build import build_engine
+
+    bar.set_description(f"{tag}: structured output")
+    model_cfg = json.loads((path / "config.json").read_text())
+    bpe = structured.structured_checkpoint(tag.split("/")[0], model_cfg, s.model_seed)
+    engine = build_engine(_config(base, bpe, s, dtype, {"cache.enable_prefix_caching": False}))
+    engine_runs.warmup(engine, s.warmup, s.seed)
+    try:
+        return structured.measure_structured(engine, s.structured_batches, s.structured_rounds,
+                                             s.structured_max_tokens, s.seed)
+    finally:
+        bar.update()
+        del engine
+        gc.collect()
 
 
 def run_bench(cfg: Any) -> dict:

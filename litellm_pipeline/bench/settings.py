@@ -53,6 +53,12 @@ class BenchSettings(_Section):
     # MoE models: batch-1 decode again with moe.hot_experts = each value (expert offload): hit rate, misses per
     # token and the decode cost of a miss against the all-resident run
     offload: list[int] = []
+    # structured output: masking overhead (a JSON schema vs free decoding, same tokens) at each batch size, and the
+    # compile time of a typical schema; on the model's shape with a trained BPE vocabulary (bench/structured.py)
+    structured: bool = False
+    structured_batches: list[int] = Field(default=[1, 16], min_length=1)
+    structured_rounds: int = Field(default=3, ge=1)
+    structured_max_tokens: int = Field(default=256, ge=16)
     busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use (cores) above which a run is flagged
 
     def compute_dtype(self, precision: str) -> str:

@@ -1,7 +1,7 @@
 """The project's C++ CPU kernels (``csrc/*.cpp``): built on first use with torch's JIT extension loader.
 
 One extension holds every op (namespace ``torch.ops.litellm_pipeline_cpu``): the paged attention of
-``cpu_paged`` and the fused layer ops of ``layer_ops: cpu_fused``. It is compiled once per machine into the
+``cpu_paged``, the fused layer ops of ``layer_ops: cpu_fused`` and structured output's token mask. It is compiled once per machine into the
 user cache (``-march=native`` where the CPU can be named, else a generic build) and reused afterwards. A build is
 named by the CPU, the sources, the compiler flags, the compiler, torch's version and the Python ABI, so installs
 that differ in any of them never rebuild over each other; processes that start at once build once (torch's loader
@@ -33,7 +33,7 @@ import torch
 from litellm_pipeline.errors import ConfigError
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp"))
+SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp", "token_mask.cpp"))
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 NAMESPACE = "litellm_pipeline_cpu"
 

@@ -522,3 +522,21 @@ def test_llamacpp_server_peer_failures_are_named(tmp_path):
     short, _ = _fake_server(tmp_path, "short")
     with pytest.raises(RuntimeError, match="produced .* tokens, the workload asks for"):
         llamacpp.measure_server(str(short), ckpt, "float32", items, b1, 1, 1, 2, tmp_path)
+
+
+@pytest.mark.slow
+def test_tiny_bench_structured_output_section(tmp_path):
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.peer=false", "bench.structured=true",
+                         "bench.structured_batches=[1,3]", "bench.structured_rounds=2", *TINY)
+    row = _check_common(data, "tiny_llama")
+    st = row["structured"]
+    assert st["vocab_type"] == "byte_level" and 259 < st["vocab_size"] <= 512  # a BPE vocabulary trained here
+    assert _positive(st["compile_cold_ms"]) and _positive(st["compile_hit_us"]) and _positive(st["setup_ms"])
+    assert [r["batch"] for r in st["rows"]] == [1, 3]
+    for r in st["rows"]:
+        # the JSON schema's four records take more than one token each; both runs generated these same tokens
+        assert r["tokens"] > 20 * r["batch"] and _positive(r["free_tok_s"]) and _positive(r["json_tok_s"])
+        assert r["overhead_pct"] == pytest.approx(100 * (r["free_tok_s"] / r["json_tok_s"] - 1))
+        assert _positive(r["mask_us_per_step"]) and r["mask_us_per_row"] == pytest.approx(
+            r["mask_us_per_step"] / r["batch"])
+    assert "structured output: the same requests under a JSON schema" in data["_stdout"]

@@ -7,7 +7,6 @@ import torch
 from hf_models import sentencepiece_tokenizer
 
 from litellm_pipeline.constraints.grammar import Grammars, bitmask_words
-from litellm_pipeline.constraints.masking import mask_logits
 from litellm_pipeline.text.tokenizer import Tokenizer, build_byte_tokenizer
 
 
@@ -59,23 +58,3 @@ def test_plain_vocabulary_of_the_demo_model():
     assert allowed(g, g.regex("[0-9]").matcher()) == {tok.encode(str(d), add_special_tokens=False)[-1]
                                                        for d in range(10)}
     assert allowed(g, g.json_schema({"type": "object"}).matcher()) == set()  # it has no "{" to write
-
-
-def test_mask_logits_touches_only_constrained_rows_and_reports_dead_ones():
-    tok = build_byte_tokenizer()
-    g = Grammars(tok, tok.vocab_size, [1])
-    logits = torch.randn(4, tok.vocab_size)
-    before = logits.clone()
-    digit = g.regex("[0-9]").matcher()
-
-    class Dead:
-        def fill_bitmask(self, bitmask, row):
-            bitmask[row] = 0
-
-    dead = mask_logits(logits, [(1, digit), (3, Dead())])
-    assert dead == [3]
-    assert torch.equal(logits[[0, 2, 3]], before[[0, 2, 3]])  # free rows and the dead row untouched
-    digits = {3 + ord(str(d)) for d in range(10)}
-    finite = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
-    assert finite == digits
-    assert torch.equal(logits[1, sorted(digits)], before[1, sorted(digits)])
