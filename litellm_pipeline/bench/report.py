@@ -188,8 +188,8 @@ def structured_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
     t = [[label(r), r["dtype"], str(x["batch"]), str(x["tokens"]), _f(x["free_tok_s"]), _f(x["json_tok_s"]),
           _f(x["overhead_pct"]), _f(x["mask_us_per_step"]), _f(x["mask_us_per_row"])]
          for r in got for x in r["structured"]["rows"]]
-    out = ["", "structured output: the same requests under a JSON schema and free (max_tokens = the constrained length), "
-           "alternating rounds, median; overhead = time given up to masking",
+    out = ["", "structured output: the same requests under a JSON schema and free (max_tokens = the constrained "
+           "length), alternating rounds, median; overhead = time given up to masking",
            _table(["model", "dtype", "batch", "tokens", "free tok/s", "json tok/s", "overhead %", "mask us/step",
                    "us/row"], t)]
     for r in got:
