@@ -4,17 +4,13 @@ vocabulary: every JSON character is one token, and nothing but the constraint ma
 from __future__ import annotations
 
 import pytest
-import torch
 
 from litellm_pipeline import LLM
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_torch_thread):
+    """One torch thread (tests/conftest.py): the tiny model gains nothing from more on a shared machine."""
 
 
 @pytest.fixture(scope="session")

@@ -71,24 +71,28 @@ def _batch(llm, constraint, seed: int):
     ])
 
 
+def _check_batch(llm, constraint, seed: int, valid) -> None:
+    """The constrained requests (greedy, sampled) end and pass ``valid``; the free one is as if alone."""
+    greedy, sampled, free = _batch(llm, constraint, seed)
+    for out in (greedy, sampled):
+        assert out.finish_reason == "stop", (constraint, out.text)
+        valid(out.text)
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+
+
 @_SETTINGS
 @given(schema=SCHEMAS, seed=st.integers(0, 2**16))
 def test_generated_schemas_always_validate(tiny, schema, seed):
-    greedy, sampled, free = _batch(tiny, {"json_schema": schema}, seed)
-    for out in (greedy, sampled):
-        assert out.finish_reason == "stop", (schema, out.text)
-        jsonschema.validate(json.loads(out.text), schema)
-    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    _check_batch(tiny, {"json_schema": schema}, seed, lambda text: jsonschema.validate(json.loads(text), schema))
 
 
 @_SETTINGS
 @given(pattern=REGEXES, seed=st.integers(0, 2**16))
 def test_generated_regexes_always_match(tiny, pattern, seed):
-    greedy, sampled, free = _batch(tiny, {"regex": pattern}, seed)
-    for out in (greedy, sampled):
-        assert out.finish_reason == "stop", (pattern, out.text)
-        assert re.fullmatch(pattern, out.text), (pattern, out.text)
-    assert free.finish_reason == "length"
+    def valid(text: str) -> None:
+        assert re.fullmatch(pattern, text), (pattern, text)
+
+    _check_batch(tiny, {"regex": pattern}, seed, valid)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True,
