@@ -6,6 +6,7 @@ random-weight checkpoint with a byte-level vocabulary: nothing but the constrain
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from typing import Literal
@@ -15,6 +16,8 @@ import jsonschema
 import pytest
 from _server_util import start_server, wait_pool_empty
 from pydantic import BaseModel, Field
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM reads its price map from the package
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
                                             "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"]}
@@ -302,3 +305,16 @@ def test_slow_compile_times_out_with_a_400_and_others_keep_running(server, monke
         registry.remove("constraint", "slow_regex")
         compiler._kinds.pop("slow_regex", None)
     wait_pool_empty(server.engine)
+
+
+def test_litellm_sdk_gets_tool_calls_and_json(server):
+    litellm = pytest.importorskip("litellm")
+    kw = dict(model="openai/tiny", api_base=server.url + "/v1", api_key="unused", max_tokens=120, temperature=1.0,
+              seed=3, messages=[{"role": "user", "content": "weather?"}])
+    resp = litellm.completion(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kw)
+    (call,) = resp.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    resp = litellm.completion(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
+                              **kw)
+    jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
