@@ -54,6 +54,14 @@ def _anchor(tok: Tokenizer) -> tuple[int, str] | None:
     return None
 
 
+# what a token a constraint masked out (log-probability -inf) reports: JSON has no -inf, and vLLM says -9999
+MIN_LOGPROB = -9999.0
+
+
+def _logprob(v: float) -> float:
+    return max(float(v), MIN_LOGPROB)
+
+
 @dataclass
 class ChoiceState:
     """One choice (one engine request) of an API request."""
@@ -100,17 +108,17 @@ class ChoiceState:
         return out.delta_text, delta
 
     def _entry(self, token_id: int, lps: dict[int, float], token_text: TokenText):
-        token, lp = token_text(token_id), float(lps.get(token_id, float("-inf")))
+        token, lp = token_text(token_id), _logprob(lps.get(token_id, float("-inf")))
         # the engine's dict holds the sampled token and the top k; the top k are the k highest
         top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_k]
         if not self.chat:
             # keyed by text, as OpenAI's format is: of tokens that read alike, the likeliest keeps the key
             alts: dict[str, float] = {}
             for t, v in top:
-                alts.setdefault(token_text(t), float(v))
+                alts.setdefault(token_text(t), _logprob(v))
             return token, lp, alts
         return {"token": token, "logprob": lp, "bytes": list(token.encode()),
-                "top_logprobs": [{"token": token_text(t), "logprob": float(v), "bytes": list(token_text(t).encode())}
+                "top_logprobs": [{"token": token_text(t), "logprob": _logprob(v), "bytes": list(token_text(t).encode())}
                                  for t, v in top]}
 
     def logprobs_body(self) -> dict | None:

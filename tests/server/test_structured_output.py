@@ -318,3 +318,27 @@ def test_litellm_sdk_gets_tool_calls_and_json(server):
     resp = litellm.completion(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}},
                               **kw)
     jsonschema.validate(json.loads(resp.choices[0].message.content), PERSON)
+
+
+def _strict_json(text: str):
+    def refuse(const):
+        raise AssertionError(f"{const} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_masked_tokens_are_json_numbers(server):
+    """Alternatives a constraint masked out have log-probability -inf, which JSON cannot carry: -9999 (vLLM's)."""
+    chat = _chat(max_tokens=5, logprobs=True, top_logprobs=5, guided_choice=["yes", "no"])
+    comp = {"model": "tiny", "prompt": "x", "max_tokens": 5, "logprobs": 5, "guided_choice": ["yes", "no"]}
+    with server.client() as http:
+        r = http.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        entries = _strict_json(r.text)["choices"][0]["logprobs"]["content"]
+        tops = [t["logprob"] for e in entries for t in e["top_logprobs"]]
+        assert -9999.0 in tops and all(-9999.0 <= v <= 0 for v in tops)
+        r = http.post("/v1/completions", json={**comp, "stream": True})
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: {")]
+        tops = [v for ev in events for c in _strict_json(ev)["choices"] if c["logprobs"]
+                for alts in c["logprobs"]["top_logprobs"] for v in alts.values()]
+        assert -9999.0 in tops and all(-9999.0 <= v <= 0 for v in tops)
