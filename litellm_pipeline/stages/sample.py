@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import inspect
 
-import torch
-
 from litellm_pipeline import registry
 from litellm_pipeline.constraints.masking import mask_logits
 from litellm_pipeline.engine.request import Sample as SampledToken
@@ -35,7 +33,10 @@ class Sample(Stage):
         argmax = getattr(ctx, "logits_argmax", None)
         constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
         if constrained:
-            argmax = self._mask(ctx.logits, constrained, argmax, reqs)
+            self._mask(ctx.logits, constrained, reqs)
+            # the decode stage's argmax is of the unmasked logits: the sampler finds what it needs itself (the
+            # default one only for greedy rows; finding every masked row's again would cost more than the mask)
+            argmax = None
         if argmax is not None and self.takes_argmax:
             out = self.sampler(ctx.logits, rows, argmax=argmax)
         else:
@@ -43,20 +44,14 @@ class Sample(Stage):
         ctx.samples = [SampledToken(r, t, lp) for r, t, lp in zip(reqs, out.token_ids, out.logprobs)]
 
     @staticmethod
-    def _mask(logits, constrained, argmax, reqs):
-        """Each constrained row's logits masked to what its constraint allows; the rows' argmax found again."""
+    def _mask(logits, constrained, reqs) -> None:
+        """Each constrained row's logits masked, in place, to what its constraint allows."""
         dead = mask_logits(logits, constrained)
         if dead:  # the engine retries the step without the others and fails this request with the message
             r = reqs[dead[0]]
             raise ConstraintDeadEnd(
                 f"request {r.request_id!r}: its constraint ({r.spec.constraint.kind}) allows no token of this "
                 f"model's vocabulary after {len(r.output_ids)} output tokens")
-        if argmax is None:
-            return None
-        idx = torch.tensor([i for i, _ in constrained], dtype=torch.long, device=logits.device)
-        argmax = argmax.clone()
-        argmax[idx] = logits[idx].argmax(-1)
-        return argmax
 
 
 class ConstraintDeadEnd(ValueError):
