@@ -66,7 +66,17 @@ def test_concurrent_streams_interleave_and_match_offline(llama):
 
     async def main():
         async with AsyncEngine(llama.engine) as aeng:
-            return await asyncio.gather(*(consume(aeng, i) for i in range(4)))
+            eng = llama.engine
+            # no step runs until all four are queued: on a loaded machine the event loop may otherwise be
+            # descheduled between two submissions while the engine's thread finishes the first request
+            eng._lock.acquire()
+            try:
+                tasks = [asyncio.ensure_future(consume(aeng, i)) for i in range(4)]
+                while len(eng.requests) < 4:
+                    await asyncio.sleep(0)
+            finally:
+                eng._lock.release()
+            return await asyncio.gather(*tasks)
 
     results = run(main())
     for deltas, ref in zip(results, refs):
