@@ -3,6 +3,8 @@ on a free loopback port in a background thread, and the KV pool check."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -49,6 +51,14 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         assert not self.thread.is_alive(), "the server thread did not stop"
+
+
+def with_chat_template(src, dst, template: str):
+    """A copy of checkpoint ``src`` at ``dst`` whose tokenizer_config.json has ``template`` as its chat template."""
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return dst
 
 
 def start_server(overrides: list[str], model_name: str = "demo", **settings) -> LiveServer:

@@ -4,13 +4,11 @@ steps down; ``chat_server`` serves a copy of the demo checkpoint with a chat tem
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from _server_util import CHAT_TEMPLATE, PLUGIN_STAGES, start_server
+from _server_util import CHAT_TEMPLATE, PLUGIN_STAGES, start_server, with_chat_template
 
 from litellm_pipeline.demo import demo_checkpoint
 
@@ -33,11 +31,7 @@ def demo_server():
 
 @pytest.fixture(scope="session")
 def chat_checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("demo-chat") / "demo-chat"
-    shutil.copytree(demo_checkpoint(), path)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
-    return path
+    return with_chat_template(demo_checkpoint(), tmp_path_factory.mktemp("demo-chat") / "demo-chat", CHAT_TEMPLATE)
 
 
 @pytest.fixture(scope="session")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
-from _server_util import start_server, wait_pool_empty
+from _server_util import start_server, wait_pool_empty, with_chat_template
 from pydantic import BaseModel, Field
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM reads its price map from the package
@@ -47,10 +46,7 @@ def server(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def tool_server(hf_checkpoint, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tools") / "ckpt"
-    shutil.copytree(hf_checkpoint("llama"), path)
-    cfg = json.loads((path / "tokenizer_config.json").read_text())
-    (path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TOOL_TEMPLATE}))
+    path = with_chat_template(hf_checkpoint("llama"), tmp_path_factory.mktemp("tools") / "ckpt", TOOL_TEMPLATE)
     live = start_server([f"model.path={path}"], model_name="tiny")
     yield live
     live.stop()
