@@ -74,6 +74,8 @@ class RequestSpec:
     * ``constraint`` — structured output: a :class:`ConstraintSpec` or a one-key mapping such as
       ``{"json_schema": {...}}``, ``{"regex": "..."}``, ``{"choice": [...]}``, ``{"grammar": "..."}`` or
       ``{"json_object": True}`` (:mod:`litellm_pipeline.constraints`); None: free text.
+    * ``num_speculative_tokens`` — speculative decoding for this request: 0 turns it off, a number below the
+      engine's ``speculative.k`` lowers it (a larger one is capped at it); None: the engine's setting.
     """
 
     prompt: Prompt
@@ -85,6 +87,7 @@ class RequestSpec:
     session_id: str | None = None
     request_id: str | None = None
     constraint: ConstraintSpec | Mapping | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen: normalise once, here
@@ -100,6 +103,10 @@ class RequestSpec:
             raise InvalidRequestError("tenant", f"must be a string (got {self.tenant!r})")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise InvalidRequestError("priority", f"must be an integer (got {self.priority!r})")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise InvalidRequestError("num_speculative_tokens",
+                                      f"must be an integer >= 0 (0 turns speculation off) or None (got {k!r})")
 
     def replace(self, **changes: Any) -> RequestSpec:
         return dataclasses.replace(self, **changes)

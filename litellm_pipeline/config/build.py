@@ -35,6 +35,7 @@ from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.expert_offload import ExpertOffload
 from litellm_pipeline.model.loader import load_model, load_model_config
+from litellm_pipeline.speculative import SpeculativeSettings, Speculator
 from litellm_pipeline.telemetry import build_bus
 from litellm_pipeline.text.tokenizer import Tokenizer
 from litellm_pipeline.tiers import resolve_tiers
@@ -326,9 +327,25 @@ def build_from_app(app: AppConfig) -> Engine:
         reads = type(after).inputs + getattr(type(after), "optional_inputs", ())
         if "logits_argmax" in type(stage).outputs and "logits_argmax" in reads:
             stage.argmax = True
+    rt.speculator = build_speculator(app, rt)  # after the decode stage bound the model's layers
     if app.device.compile:  # after the stages bound their implementations into the model
         model.forward = torch.compile(model.forward, dynamic=True)
     return Engine(rt, request_stages, step_stages)
+
+
+def build_speculator(app: AppConfig, rt: Runtime) -> Speculator | None:
+    s = app.speculative
+    if s.method == "none":
+        return None
+    cls = _lookup("proposer", s.method, "speculative.method")
+    params = dict(s.params)
+    if s.model is not None:
+        params["model"] = s.model
+    try:
+        proposer = cls(rt, **params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"speculative ({s.method}): {exc}") from exc
+    return Speculator(proposer, SpeculativeSettings(s.method, s.k, s.adaptive), rt.max_model_len, rt.bus)
 
 
 def _stage_param_error(stage: str, params: dict, msg: str) -> str:

@@ -165,6 +165,15 @@ class StructuredOutputSection(_Section):
     cache_entries: int = Field(default=256, ge=1)
 
 
+class SpeculativeSection(_Section):
+    # conf/speculative: litellm_pipeline.speculative.SpeculativeSettings, the proposer's name and arguments
+    method: str = "none"  # registry kind "proposer", or none
+    k: int = Field(default=4, ge=1, le=16)
+    adaptive: bool = True
+    model: str | None = None  # the draft proposer's checkpoint
+    params: dict[str, Any] = {}
+
+
 class MoESection(_Section):
     # expert offload: experts per MoE layer kept in device memory (null: all); the rest stay in host memory
     hot_experts: int | None = Field(default=None, ge=1)
@@ -288,6 +297,7 @@ class AppConfig(_Section):
     server: ServerSection = ServerSection()
     plugins: PluginsSection = PluginsSection()
     structured_output: StructuredOutputSection = StructuredOutputSection()
+    speculative: SpeculativeSection = SpeculativeSection()
     # conf/tenants: name -> tenant; empty = the open single-tenant mode (no API key, no quota)
     tenants: dict[str, TenantSection] = {}
     # task-specific sections: validated by the task that reads them

@@ -74,6 +74,7 @@ class Engine:
         self._waiting = 0
         self._waiting_cv = threading.Condition(threading.Lock())
         self._ids = itertools.count()
+        self.speculator = rt.speculator  # speculative decoding (None: off)
         self._rng = torch.Generator().manual_seed(rt.seed)  # seeds of unseeded sampling requests
 
     @property
@@ -194,6 +195,8 @@ class Engine:
         self._let_waiters_in()
         with self._lock, torch.inference_mode():
             t0 = time.perf_counter()
+            if self.speculator is not None:  # drafts first: the scheduler grows their KV (or drops them)
+                self.speculator.propose(self.rt.scheduler.load().running)
             schedule = self.rt.scheduler.schedule()
             outputs = self._execute(schedule) if schedule else self._unblock()
             self._report(schedule, t0)
@@ -218,10 +221,12 @@ class Engine:
             (r, r.generator.get_state() if r.generator is not None else None, r.detokenizer.checkpoint(),
              len(r.text), r.emitted_chars)
             for r, n in schedule
-            if r.num_computed + n == r.num_tokens  # it samples this step
+            if r.num_computed + n == r.num_scheduled_tokens  # it samples this step
         ]
         ctx = StepContext(schedule, self.rt.kv.step_layout(schedule))
         try:
+            if self.speculator is not None:
+                self.speculator.fill(schedule)
             for stage in self.step_stages:
                 stage(ctx)
         except Exception:
@@ -268,26 +273,42 @@ class Engine:
 
     def _postprocess(self, ctx: StepContext) -> list[RequestOutput]:
         """The bookkeeping of a step, whatever its stages did: computed tokens and KV commits for every
-        scheduled entry; for every sample, the token appended, the finish decided (the emit stage's, or
-        the token limits, which always hold), finished requests freed."""
+        scheduled entry (a speculating request's verified tokens only); for every sample, the token appended,
+        the finish decided (the emit stage's, or the token limits, which always hold), finished requests freed.
+        A request's samples count in order, one per token it verified (one where it had no draft)."""
         rt = self.rt
-        rt.scheduler.postprocess(ctx.schedule)
-        emitted = {id(e.request): e for e in getattr(ctx, "emissions", ())}
+        verified = self._verify(ctx) if any(req.draft for req, _ in ctx.schedule) else None
+        rt.scheduler.postprocess(verified[0] if verified is not None else ctx.schedule)
+        if verified is not None:
+            for req, _, _ in verified[1]:
+                req.draft = []  # its kept tokens are among the samples, appended below
+            if self.speculator is not None:
+                self.speculator.verified(verified[1])
+        counts: dict[int, int] = {}
+        emitted: dict[tuple[int, int], Any] = {}
+        for e in getattr(ctx, "emissions", ()):
+            k = counts.get(id(e.request), 0)
+            counts[id(e.request)] = k + 1
+            emitted[(id(e.request), k)] = e
+        allowed = verified[2] if verified is not None else {}
         now = time.monotonic()
-        outputs = []
+        outputs: dict[int, Any] = {}  # id(request) -> its RequestOutput, or [request, delta text, delta ids]
         gap_reqs: list[Request] = []
         gaps: list[float] = []
         for req, token, logprobs in ctx.samples:
-            if req.finished:
-                continue  # a stage listed the same request twice: the first sample counted
-            e = emitted.get(id(req))
+            key = id(req)
+            out = outputs.get(key)
+            k = len(out[2]) if isinstance(out, list) else 0
+            if req.finished or k >= allowed.get(key, 1):
+                continue  # ended by an earlier sample, or listed more often than it verified tokens
+            e = emitted.get((key, k))
             reason = (e.finish_reason if e is not None else None) or req.stop_reason(
                 token, rt.eos_token_ids, rt.max_model_len
             )
             if req.matcher is not None:
                 if not req.matcher.accept(token):
-                    outputs.append(self._fail(req, f"request {req.request_id!r}: the sampler chose token {token}, "
-                                                   "which its constraint does not allow"))
+                    outputs[key] = self._fail(req, f"request {req.request_id!r}: the sampler chose token {token}, "
+                                                   "which its constraint does not allow")
                     continue
                 if reason is None and req.matcher.is_terminated():
                     reason = "stop"
@@ -301,19 +322,48 @@ class Engine:
                 req.first_token_time = now
                 if self.bus.enabled:
                     self.bus.publish(FirstToken(req.request_id, now - req.arrival))
-            elif self.bus.enabled:
+            elif self.bus.enabled and out is None:  # one gap per request and step
                 gap_reqs.append(req)
                 gaps.append(now - req.last_token_time)
             req.last_token_time = now
             if reason is not None:
                 self._finish(req, reason, now)
-            outputs.append(request_output(req, e.delta_text if e is not None else "", [token]))
+            delta = e.delta_text if e is not None else ""
+            if out is None:
+                outputs[key] = [req, delta, [token]]
+            else:
+                out[1] += delta
+                out[2].append(token)
         if gaps:
             self.bus.publish(TokensGenerated(
                 tuple(r.request_id for r in gap_reqs), tuple(gaps), tuple(r.tenant for r in gap_reqs),
                 tuple(r.tierset.name if r.tierset is not None else None for r in gap_reqs),
             ))
-        return outputs
+        return [request_output(*o) if isinstance(o, list) else o for o in outputs.values()]
+
+    def _verify(self, ctx: StepContext):
+        """Speculative decoding's outcome: each speculating entry keeps the draft tokens the sample stage
+        accepted (its samples before the last equal the draft: see the sample stage) and the KV of those only.
+        Returns the schedule with the tokens each entry keeps, ``(request, drafted, accepted)`` per speculating
+        entry, and how many samples of each count."""
+        got: dict[int, list[int]] = {}
+        for smp in ctx.samples:
+            got.setdefault(id(smp.request), []).append(smp.token_id)
+        kept, outcome, allowed = [], [], {}
+        for req, n in ctx.schedule:
+            draft = req.draft
+            if not draft:
+                kept.append((req, n))
+                continue
+            tokens = got.get(id(req), ())
+            accepted = 0
+            while accepted < min(len(draft), len(tokens) - 1) and tokens[accepted] == draft[accepted]:
+                accepted += 1
+            allowed[id(req)] = accepted + 1
+            req.draft = draft[:accepted]  # what the KV commit hashes: the kept tokens (cleared once appended)
+            kept.append((req, n - len(draft) + accepted))
+            outcome.append((req, len(draft), accepted))
+        return kept, outcome, allowed
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_reason = reason
@@ -338,9 +388,11 @@ class Engine:
                 )
             )
 
-    @staticmethod
-    def _settle(req: Request) -> None:
-        """The request ended: what its request stages held for it is settled (e.g. unused quota back)."""
+    def _settle(self, req: Request) -> None:
+        """The request ended: what its request stages held for it is settled (e.g. unused quota back), and what the
+        proposer kept for it goes."""
+        if self.speculator is not None:
+            self.speculator.release(req)
         for hold in req.holds:
             hold.settle(req)
         req.holds.clear()

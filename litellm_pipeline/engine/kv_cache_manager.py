@@ -195,9 +195,17 @@ class KVCacheManager:
             new = req.block_ids[(n - 1) // bs] * bs + (n - 1) % bs
             return KVLayout(tuple(chunks), row[:, :n], torch.tensor([n]), (new,))
         ctx_lens = [r.num_computed + 1 for r, _ in decodes]
-        lmax = max(ctx_lens)
+        slots = self.slot_table([r.block_ids for r, _ in decodes], ctx_lens)
+        new = [r.block_ids[(n - 1) // bs] * bs + (n - 1) % bs for (r, _), n in zip(decodes, ctx_lens)]
+        return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), tuple(new))
+
+    def slot_table(self, block_lists: Sequence[list[int]], lens: Sequence[int]) -> torch.Tensor:
+        """``[B, max(lens)]`` long: the slots of the first ``lens[b]`` positions of sequence b (padded past
+        them with arbitrary slots, never read)."""
+        bs, b = self.block_size, len(lens)
+        lmax = max(lens)
         nblk = -(-lmax // bs)
-        table = [r.block_ids[:nblk] for r, _ in decodes]
+        table = [blocks[:nblk] for blocks in block_lists]
         for row in table:
             if len(row) < nblk:
                 row.extend([0] * (nblk - len(row)))  # a shorter context: pad blocks (never read)
@@ -205,8 +213,7 @@ class KVCacheManager:
         slots = (torch.tensor(table, dtype=torch.long).unsqueeze(-1) * bs + self._offsets).view(b, nblk * bs)
         if nblk * bs != lmax:
             slots = slots[:, :lmax].contiguous()
-        new = [r.block_ids[(n - 1) // bs] * bs + (n - 1) % bs for (r, _), n in zip(decodes, ctx_lens)]
-        return KVLayout(tuple(chunks), slots, torch.tensor(ctx_lens), tuple(new))
+        return slots
 
     def _slot_row(self, blocks: list[int], nblk: int) -> torch.Tensor:
         """Every slot of ``blocks`` (at least ``nblk`` of them) as one row [1, N]. The row of the last list asked is
@@ -292,6 +299,14 @@ class KVCacheManager:
         if need:
             req.block_ids.extend(self.hot.allocate(need))
         return True
+
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past the request's computed tokens and the one it computes next (a draft's
+        rejected tokens, a draft dropped before it ran). Those blocks are its own: none is registered."""
+        keep = -(-(req.num_computed + 1) // self.block_size)
+        if len(req.block_ids) > keep:
+            self.hot.free(req.block_ids[keep:])
+            req.block_ids = req.block_ids[:keep]  # a new list: a kept slot row of the old one is stale
 
     def free(self, req: Request) -> None:
         if req.swapped_slots is not None and self.warm is not None:

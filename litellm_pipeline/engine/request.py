@@ -44,6 +44,7 @@ class Request:
     tenant: str = field(init=False)
     priority: int = field(init=False)  # lower value = served first (priority scheduler)
     session_id: str | None = field(init=False)  # keep this conversation's KV pinned after the request ends
+    spec_tokens: int | None = field(init=False)  # most draft tokens per step (None: the engine's; 0: none)
     # decided by the request-level stages
     tierset: TierSet | None = None
     selection: Selection | None = None  # the select_tier decision (prediction, mode) behind ``tierset``
@@ -57,6 +58,12 @@ class Request:
     generator: torch.Generator | None = None
     detokenizer: IncrementalDetokenizer | None = None
     matcher: Matcher | None = None  # its constraint's state (structured output); advanced as tokens are kept
+    # speculative decoding: tokens proposed after its known ones, verified by this step's forward (the engine's
+    # Speculator sets them before scheduling and clears them in the postprocess), and its totals
+    draft: list[int] = field(default_factory=list)
+    spec_state: object | None = None  # the Speculator's per-request state (speculative/speculator.py)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # engine bookkeeping (the engine's postprocess and the scheduler own these)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -83,6 +90,7 @@ class Request:
         self.params, self.tier, self.budget = s.params, s.tier, s.budget
         self.tenant = s.tenant
         self.priority, self.session_id = s.priority, s.session_id
+        self.spec_tokens = s.num_speculative_tokens
 
     @property
     def salt(self) -> str:
@@ -99,11 +107,20 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens a step may compute up to: the known ones and the draft under verification."""
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.draft)
+
     def token_at(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output without building the concatenation."""
+        """Tokens [start, end) of prompt + output (+ draft) without building the concatenation."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
+        o = p + len(self.output_ids)
+        if end > o:  # reaches into the draft
+            head = self.token_at(start, o) if start < o else []
+            return head + self.draft[max(start, o) - o : end - o]
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
@@ -112,8 +129,9 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def stop_reason(self, token: int, eos_token_ids: frozenset, max_model_len: int) -> str | None:
-        """Why appending ``token`` (not yet appended) ends the request by token rules, or None.
+    def stop_reason(self, token: int, eos_token_ids: frozenset, max_model_len: int, ahead: int = 0) -> str | None:
+        """Why appending ``token`` (not yet appended, after ``ahead`` more tokens of this step that are not
+        appended either) ends the request by token rules, or None.
 
         ``"stop"``: a stop token id, or an end-of-sequence token unless ``ignore_eos``; ``"length"``: it is
         the ``max_tokens``-th output token or fills the model's context; ``"budget"``: it is the last output
@@ -122,8 +140,8 @@ class Request:
         p = self.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in eos_token_ids):
             return "stop"
-        n = len(self.output_ids) + 1
-        if n >= p.max_tokens or self.num_tokens + 1 >= max_model_len:
+        n = len(self.output_ids) + ahead + 1
+        if n >= p.max_tokens or self.num_tokens + ahead + 1 >= max_model_len:
             return "length"
         if self.budget_max_tokens is not None and n >= self.budget_max_tokens:
             return "budget"
@@ -184,6 +202,8 @@ class RequestOutput:
     error: str | None = None  # set when the request failed (finish_reason "error")
     error_id: str | None = None  # the id of that failure in the log
     cost: CostRecord | None = None  # set once finished: the TierSet it ran at, predicted and actual cost
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed for it so far
+    num_accepted_tokens: int = 0  # of those, the ones verification kept
 
     def raise_error(self) -> None:
         """Raise the request's failure as an :class:`InternalError` (no-op if it did not fail)."""
@@ -206,4 +226,6 @@ def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | No
         tier=req.tierset.name if req.tierset else None,
         num_cached_tokens=req.num_cached_tokens,
         cost=(req.cost or req.cost_record()) if req.finished else None,
+        num_draft_tokens=req.num_draft_tokens,
+        num_accepted_tokens=req.num_accepted_tokens,
     )

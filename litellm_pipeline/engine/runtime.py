@@ -41,6 +41,7 @@ class Runtime:
     cuda_graphs: bool = False  # device.cuda_graphs on a CUDA device: the decode stage replays captured graphs
     huge_pages: bool = False  # device.huge_pages on a CPU device: the decode stage packs the weights into huge pages
     constraints: ConstraintCompiler | None = None  # structured output (None: requests with a constraint are refused)
+    speculator: object | None = None  # speculative decoding (speculative.Speculator; None: off)
 
 
 def allocate_kv_cache(

@@ -73,14 +73,18 @@ class FcfsScheduler:
         return SchedulerLoad(tuple(self.running), tuple(self.waiting), self.max_num_seqs)
 
     def postprocess(self, schedule: list[tuple[Request, int]]) -> None:
-        """The step ran: each scheduled request has its tokens computed; newly full blocks become replayable
-        prefixes."""
+        """The step ran: each scheduled request has its tokens computed (``n``: those it keeps; a speculating
+        request keeps its verified tokens only, and the blocks that held only rejected ones go back); newly full
+        blocks become replayable prefixes."""
         for req, n in schedule:
             req.num_computed += n
             self.kv.commit(req)
+            self.kv.trim(req)
 
     def preempt(self, req: Request) -> None:
         self.running.remove(req)
+        req.draft = []  # proposed for a step it is not in
+        self.kv.trim(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.kv.commit(req)
@@ -132,7 +136,13 @@ class FcfsScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_scheduled_tokens - req.num_computed, budget)
+            if req.draft and (n < req.num_scheduled_tokens - req.num_computed or not self._grow(req, req.num_computed + n)):
+                # a draft is verified only whole within the budget, and it never makes anyone wait: without it
+                # the request computes its one token (the draft's blocks go back)
+                req.draft = []
+                self.kv.trim(req)
+                n = min(req.num_tokens - req.num_computed, budget)
             while not self._grow(req, req.num_computed + n):
                 victim = self.victim()
                 self.preempt(victim)

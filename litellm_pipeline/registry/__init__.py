@@ -52,6 +52,7 @@ KINDS: tuple[str, ...] = (
     "scheduler",
     "telemetry",
     "constraint",
+    "proposer",
 )
 PLUGIN_GROUP = "litellm_pipeline.plugins"
 _PACKAGE = __name__.split(".")[0]

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # torch (and the Request, which holds a torch generator) only
 
 __all__ = [
     "PipelineStage", "TextFilter", "Attention", "MoEDispatch", "LayerOps", "FusedLayerOps", "Router", "Sampler", "KVPolicy",
-    "DescribedKVPolicy", "Matcher", "CompiledConstraint", "Constraint", "BudgetSolver", "Scheduler", "TelemetrySink", "Interface", "INTERFACES", "REFERENCE_TOLERANCE",
+    "DescribedKVPolicy", "Matcher", "CompiledConstraint", "Constraint", "BudgetSolver", "Proposer", "Scheduler", "TelemetrySink", "Interface", "INTERFACES", "REFERENCE_TOLERANCE",
 ]
 
 # (atol, rtol) an attention, moe_dispatch or layer_ops entry must meet against the reference (``sdpa``,
@@ -97,8 +97,11 @@ class PipelineStage(Protocol):
         * step level: ``ctx`` is a :class:`~litellm_pipeline.stages.base.StepContext` with ``schedule``
           (``[(request, num_new_tokens)]`` in row order) and ``kv_layout``; upstream stages add ``route_plan``,
           ``prefill_batch``, ``logits`` (``[R, V]`` float, or None when no row samples), ``sample_requests``
-          (``R`` requests), ``samples`` (``Sample(request, token_id, logprobs)``) and ``emissions``
-          (``Emission(request, delta_text, finish_reason, text_offset=None)``: where the token's text starts in
+          (the requests sampled; each has one logits row, and ``1 + len(request.draft)`` consecutive rows while
+          it verifies a speculative draft: the row of every drafted position and the one after them),
+          ``samples`` (``Sample(request, token_id, logprobs)``, in order; a verified request has one per
+          accepted draft token and one more) and ``emissions`` (``Emission(request, delta_text, finish_reason,
+          text_offset=None)`` per sample of a request until one finishes it: where the token's text starts in
           ``request.text``, None for its end). Transform the context only: never advance
           ``num_computed``, append tokens, finish or free a request (the engine's postprocess does), and keep
           tensors on ``rt.device``. If it raises, the engine restores each request's generator and text and
@@ -369,6 +372,27 @@ class Constraint(Protocol):
 
 
 @runtime_checkable
+class Proposer(Protocol):
+    """Kind ``proposer``: speculative decoding's drafts (``speculative.method``; its ``speculative.params`` are
+    the constructor's keyword arguments).
+
+    Built once per engine as ``cls(rt, **params)`` (``rt``: the engine's
+    :class:`~litellm_pipeline.engine.runtime.Runtime`); raise ``ValueError`` for parameters or a model it cannot
+    work with. A proposer only proposes: the engine verifies every drafted token with one forward of the request's
+    own model and keeps it only where the target would have produced it, so a bad draft costs time, never
+    correctness. Optional: ``fill(requests)``, for a proposer that drafts with the target's KV cache (``tier``):
+    called after the scheduler grew each request's KV blocks for its draft, it overwrites the tokens of every
+    ``request.draft`` (never its length); the K/V it writes at the drafted positions are overwritten by
+    verification.
+    """
+
+    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Sequence[Sequence[int]]:
+        """Once per step, before scheduling, for the running requests that may draft (their known tokens all
+        computed but the last): up to ``ks[i]`` token ids to follow ``requests[i]``'s prompt and output (read,
+        never change, the request), fewer or none where it has nothing worth verifying."""
+
+
+@runtime_checkable
 class KVPolicy(Protocol):
     """Kind ``kv_policy``: which cached-but-unused KV block to give up first (``cache.kv_policy``).
 
@@ -458,14 +482,18 @@ class Scheduler(Protocol):
 
     def schedule(self) -> list[tuple[Request, int]]:
         """Once per engine step: ``[(request, num_new_tokens)]``, each request at most once, ``n >= 1`` and at
-        most its ``num_tokens - num_computed``, at most ``max_num_seqs`` entries and ``max_num_batched_tokens``
-        tokens in all. Every entry's KV blocks are grown through ``kv`` to hold ``num_computed + n`` tokens
-        before it is returned; a request preempted to make room has its KV freed or swapped and is queued
-        again. An empty list means nothing can run now (the engine then asks :meth:`blocked`)."""
+        most its ``num_scheduled_tokens - num_computed`` (the known tokens and a speculative ``draft``), at most
+        ``max_num_seqs`` entries and ``max_num_batched_tokens`` tokens in all. A running request's draft is
+        scheduled whole or not at all: where it does not fit the budget or the free blocks, clear ``request.draft``
+        and ``kv.trim`` the request instead of preempting anyone. Every entry's KV blocks are grown through ``kv``
+        to hold ``num_computed + n`` tokens before it is returned; a request preempted to make room has its draft
+        cleared, its KV freed or swapped and is queued again. An empty list means nothing can run now (the
+        engine then asks :meth:`blocked`)."""
 
     def postprocess(self, schedule: list[tuple[Request, int]]) -> None:
-        """After the step's stages ran on ``schedule``: advance every entry's ``num_computed`` by its ``n`` and
-        commit its KV through ``kv`` (newly full blocks become replayable prefixes)."""
+        """After the step's stages ran: advance every entry's ``num_computed`` by its ``n`` (for a speculating
+        request, the engine passes the tokens verification kept), commit its KV through ``kv`` (newly full
+        blocks become replayable prefixes) and ``kv.trim`` it (blocks that held only rejected tokens go back)."""
 
     def load(self) -> SchedulerLoad:
         """A snapshot of the queues: running and waiting requests (in order) and ``max_num_seqs``."""
@@ -535,6 +563,7 @@ INTERFACES: Mapping[str, Interface] = {
                   build_args=4, build_kwargs=("bus",), build_exact=True, build_kwargs_if_accepted=("weights",)),
         Interface("telemetry", TelemetrySink, built_as="cls(**params)"),
         Interface("constraint", Constraint, built_as="cls(grammars)", build_args=1),
+        Interface("proposer", Proposer, built_as="cls(rt, **params)", build_args=1),
     )
 }
 

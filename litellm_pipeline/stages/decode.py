@@ -1,7 +1,8 @@
 """decode: one token for every generating request, packed with the step's prefill chunks into one forward.
 
 A single forward per step reads the weights once for decodes and prompt chunks alike; this stage owns it
-and hands the logits of every request that reaches the end of its known tokens this step to ``sample``.
+and hands the logits of every request that reaches the end of its known tokens this step to ``sample``: one
+row each, and for a request verifying a speculative draft one row per drafted position and one after them.
 It only reads request state: advancing computed tokens and committing KV blocks is the engine's
 postprocess.
 """
@@ -58,6 +59,8 @@ class Decode(Stage):
         ctx.logits_argmax = None
         if decodes and not pb.requests and self.graphs is None and self._decode_only(ctx, decodes):
             return
+        if pb.requests and self.graphs is None and self._verify_only(ctx, len(pb.requests)):
+            return
         ids = list(pb.token_ids)
         positions, slots, rope_lens = list(pb.positions), list(pb.slots), list(pb.rope_seq_lens)
         meta_kw = {}
@@ -87,8 +90,11 @@ class Decode(Stage):
         rows, reqs, row = [], [], 0
         for req, n in ctx.schedule:
             row += n
-            if req.num_computed + n == req.num_tokens:  # catches up this step: its next token is sampled now
-                rows.append(row - 1)
+            if req.num_computed + n == req.num_scheduled_tokens:  # catches up: its next token is sampled now
+                if req.draft:  # and every drafted position's, to verify the draft
+                    rows.extend(range(row - 1 - len(req.draft), row))
+                else:
+                    rows.append(row - 1)
                 reqs.append(req)
         ctx.sample_requests = reqs
         every_row = bool(rows) and len(rows) == len(ids)  # a decode-only step: no gather
@@ -116,6 +122,42 @@ class Decode(Stage):
             return False
         ctx.sample_requests = [r for r, _ in decodes]
         ctx.logits, ctx.logits_argmax = got
+        return True
+
+
+    def _verify_only(self, ctx: StepContext, num_chunks: int) -> bool:
+        """A step of speculative drafts and decodes alone through the model's fused decode: a draft's positions
+        are rows of their own (position p attends the context up to p, written by the rows before it), so the
+        step costs what a decode step of that many rows does. False where it does not apply (then the general
+        path)."""
+        rt, kv, sched = self.rt, ctx.kv_layout, ctx.schedule
+        chunks = sched[:num_chunks]
+        if any(not r.draft or r.num_computed + n != r.num_scheduled_tokens for r, n in chunks):
+            return False  # a prompt chunk: the general path
+        decodes = sched[num_chunks:]
+        if any(r.num_computed + 1 != r.num_tokens for r, _ in decodes):
+            return False
+        ids, lens, rows = [], [], []
+        for (r, n), slots in zip(chunks, kv.chunk_slots):
+            ids += r.token_at(r.num_computed, r.num_computed + n)
+            lens += range(r.num_computed + 1, r.num_computed + n + 1)
+            rows += [slots] * n
+        lmax = max(len(t) for t in rows)
+        if decodes:
+            ids += [r.token_at(r.num_computed, r.num_computed + 1)[0] for r, _ in decodes]
+            lens += kv.decode_ctx_lens.tolist()
+            lmax = max(lmax, kv.decode_slots.shape[1])
+        table = torch.zeros((len(ids), lmax), dtype=torch.long)
+        for i, t in enumerate(rows):
+            table[i, : len(t)] = t
+        if decodes:
+            table[len(rows):, : kv.decode_slots.shape[1]] = kv.decode_slots
+        got = rt.model.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), rt.kv_caches, ctx.route_plan,
+                                     logits=True)
+        if got is None:
+            return False
+        ctx.sample_requests = [r for r, _ in sched]
+        ctx.logits = got[0]
         return True
 
 

@@ -28,10 +28,17 @@ class Emit(Stage):
         filters = getattr(ctx, "text_filters", ())
         filter_hold = max((f.hold for f in filters), default=0)
         out = []
+        ahead: dict[int, int] = {}  # a verified draft gives a request several samples: those before this one
+        ended: set[int] = set()
         for req, token, _ in ctx.samples:
+            key = id(req)
+            if key in ended:
+                continue  # what a draft holds past the token that ends the request is not shown
+            n_ahead = ahead.get(key, 0)
+            ahead[key] = n_ahead + 1
             prev_len = len(req.text)
             req.text += req.detokenizer.add(token)
-            reason = req.stop_reason(token, rt.eos_token_ids, rt.max_model_len)
+            reason = req.stop_reason(token, rt.eos_token_ids, rt.max_model_len, n_ahead)
             if reason != "stop" and req.params.stop and self._stop_string(req, prev_len):
                 reason = "stop"  # the text ends at the stop string: what the detokenizer holds comes after it
             elif reason is not None:
@@ -41,6 +48,8 @@ class Emit(Stage):
                     reason = "stop"
             # where the token's own text starts: after what came out with it from tokens held back before it
             at = min(prev_len + req.detokenizer.last_lead, len(req.text))
+            if reason is not None:
+                ended.add(key)
             out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, at))
         ctx.emissions = out
 

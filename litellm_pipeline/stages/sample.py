@@ -29,6 +29,9 @@ class Sample(Stage):
         if not reqs:
             ctx.samples = []
             return
+        if any(r.draft for r in reqs):
+            self._verify(ctx, reqs)
+            return
         rows = [SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids) for r in reqs]
         argmax = getattr(ctx, "logits_argmax", None)
         constrained = [(i, r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]
@@ -42,6 +45,40 @@ class Sample(Stage):
         else:
             out = self.sampler(ctx.logits, rows)
         ctx.samples = [SampledToken(r, t, lp) for r, t, lp in zip(reqs, out.token_ids, out.logprobs)]
+
+    def _verify(self, ctx: StepContext, reqs) -> None:
+        """Speculative decoding's verification: every drafted position is sampled as if it came next (its row
+        sees the output up to it, draft tokens included, for penalties), and a request keeps its draft tokens
+        while they equal what was sampled, then the first token sampled differently (or the one after a whole
+        accepted draft). Each kept token is a sample of the target distribution given the ones before it, so
+        the output follows that distribution exactly: for a drafted token ``d`` this is rejection sampling with
+        a proposal that puts all its mass on ``d`` (accept with probability ``p(d)``, else draw from ``p``
+        without ``d``). Greedy rows keep the draft while it is the argmax."""
+        rows, spans = [], []
+        for r in reqs:
+            draft = r.draft
+            spans.append(len(draft) + 1)
+            rows.append(SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids))
+            for j in range(1, len(draft) + 1):
+                rows.append(SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids + draft[:j]))
+        constrained, at = [], 0
+        for r, m in zip(reqs, spans):
+            if r.matcher is not None:  # never drafted for (one row)
+                constrained.append((at, r.matcher))
+            at += m
+        if constrained:
+            self._mask(ctx.logits, constrained, [r for r, m in zip(reqs, spans) for _ in range(m)])
+        out = self.sampler(ctx.logits, rows)
+        samples, i = [], 0
+        for r, m in zip(reqs, spans):
+            draft = r.draft
+            for j in range(m):
+                t = out.token_ids[i + j]
+                samples.append(SampledToken(r, t, out.logprobs[i + j]))
+                if j == m - 1 or t != draft[j]:
+                    break
+            i += m
+        ctx.samples = samples
 
     @staticmethod
     def _mask(logits, constrained, reqs) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "BlocksDemoted",
     "BlocksPromoted",
     "StepFinished",
+    "SpeculationVerified",
 ]
 
 
@@ -209,3 +210,14 @@ class StepFinished(Event):
     used_blocks: int = 0  # hot blocks referenced by requests (num_blocks - free_blocks)
     warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
     total_blocks: int = 0  # hot blocks in the pool
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationVerified(Event):
+    """A step verified speculative drafts (once per such step)."""
+
+    kind: ClassVar[str] = "spec_decode"
+    num_drafts: int  # requests that verified a draft
+    num_draft_tokens: int  # tokens drafted
+    num_accepted_tokens: int  # of those, kept
+    accepted_per_position: tuple[int, ...]  # drafts whose token at position i (0-based) was kept

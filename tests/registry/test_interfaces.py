@@ -31,6 +31,7 @@ BUILTIN_NAMES = {
     "scheduler": {"fcfs", "priority", "fair"},
     "telemetry": {"none", "memory", "prometheus"},
     "constraint": {"json_schema", "json_object", "regex", "choice", "grammar"},
+    "proposer": {"ngram", "tier", "draft"},
 }
 FAKE_MODULES = ("fake_iface_bad", "fake_iface_half", "fake_iface_good", "fake_iface_lazy")
 

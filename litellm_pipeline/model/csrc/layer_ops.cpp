@@ -921,7 +921,8 @@ struct TeamJob {
   int64_t M = 0, H = 0, D = 0, hq = 0, hk = 0, I = 0, K = 0;  // K: the most experts a MoE layer routes a token to
   int64_t E = 0;  // the most experts a MoE layer has
   int64_t attn_runs = 1;  // a row's kv heads split into this many attention items
-  std::atomic<int64_t>* attn_next = nullptr;  // per layer: the next attention item to take
+  std::atomic<int64_t>* attn_next = nullptr;  // per layer: the next attention item to take (then, chained, the next to attend)
+  bool chained = false;  // some row attends the K/V another row of the step writes (see run_tokens)
   // the rows still to run of every projection of the step (see take_rows): row_shares shares each, per layer
   // kPhases + 2 E projections (qkv, o, the dense MLP's gate rows, down, then each expert's gate rows and down),
   // then the LM head's
@@ -1070,8 +1071,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     std::atomic<int64_t>& next = J.attn_next[li];
     T* kc = L.k_cache.data_ptr<T>();
     T* vc = L.v_cache.data_ptr<T>();
-    for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < M * runs;
-         it = next.fetch_add(1, std::memory_order_relaxed)) {
+    auto write_kv = [&](int64_t it) {  // rotate the item's q and k heads, write its K/V rows
       const int64_t m = it / runs, kh0 = it % runs * nk;
       T* qh = qkv + m * QKV + kh0 * G * D;
       T* kh = qkv + m * QKV + (hq + kh0) * D;
@@ -1085,8 +1085,27 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       const int64_t slot = J.slot_mapping[m];
       std::memcpy(kc + (slot * hk + kh0) * D, kh, sizeof(T) * nk * D);
       std::memcpy(vc + (slot * hk + kh0) * D, vh, sizeof(T) * nk * D);
+    };
+    auto attend = [&](int64_t it) {
+      const int64_t m = it / runs, kh0 = it % runs * nk;
       llp::paged_attention_heads(J.attn, J.q, L.k_cache, L.v_cache, J.rows, J.kv_slots, J.ctx_lens, 1, J.scale,
                                  L.window, kh0, kh0 + nk, m, m + 1);
+    };
+    if (J.chained) {  // rows of one sequence (a speculative draft's positions) read each other's K/V: all first
+      for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < M * runs;
+           it = next.fetch_add(1, std::memory_order_relaxed))
+        write_kv(it);
+      if (!bar.wait()) return;
+      std::atomic<int64_t>& next2 = J.attn_next[J.layers.size() + li];
+      for (int64_t it = next2.fetch_add(1, std::memory_order_relaxed); it < M * runs;
+           it = next2.fetch_add(1, std::memory_order_relaxed))
+        attend(it);
+    } else {
+      for (int64_t it = next.fetch_add(1, std::memory_order_relaxed); it < M * runs;
+           it = next.fetch_add(1, std::memory_order_relaxed)) {
+        write_kv(it);
+        attend(it);
+      }
     }
     if (!bar.wait()) return;
     rows(J.rows_of(li, kORows), M, [&](int64_t r0, int64_t r1) {
@@ -1469,6 +1488,13 @@ struct DecodePlan : torch::CustomClassHolder {
       bufs.slots[m] = kp[m * L + lp[m] - 1];
     }
     J.h_in = h, J.cos = cs, J.sin = sn, J.slot_mapping = bufs.slots;
+    // rows m-1 and m of one sequence (a speculative draft verified: its positions in order, on the same slot row)
+    // when row m's context holds row m-1's new slot: then every K/V is written before any row attends
+    J.chained = false;
+    for (int64_t m = 1; m < M && !J.chained; ++m) {
+      const int64_t p = lp[m - 1] - 1;
+      J.chained = p < lp[m] && kp[m * L + p] == bufs.slots[m - 1];
+    }
     if (arange.numel() < M) arange = at::arange(std::max<int64_t>(M, 64), ids.options());
     J.rows = arange.narrow(0, 0, M), J.kv_slots = kv_slots, J.ctx_lens = ctx_lens;
     return launch(J, logits, argmax);
@@ -1570,7 +1596,7 @@ struct DecodePlan : torch::CustomClassHolder {
         J.attn_runs = r;
         break;
       }
-    std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[n]());
+    std::unique_ptr<std::atomic<int64_t>[]> attn_next(new std::atomic<int64_t>[2 * n]());
     J.attn_next = attn_next.get();
     // every projection's rows, one share per thread asked for
     const int64_t shares = (static_cast<int64_t>(n) * (kPhases + 2 * J.E) + 1) * nt;

@@ -1,0 +1,116 @@
+"""Speculator: per step, which running requests draft how many tokens, and what becomes of their drafts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from litellm_pipeline.engine.request import Request
+from litellm_pipeline.telemetry import EventBus, SpeculationVerified
+
+# a request whose whole draft was rejected stops drafting for this many output tokens, doubled at each further
+# failure (reset by any acceptance): a workload where nothing is accepted pays for a draft rarely
+_FIRST_PAUSE = 4
+_MAX_PAUSE = 256
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    """conf/speculative, as plain values: ``method`` (a ``proposer`` registry name, or ``none``), ``k`` the most
+    tokens drafted per step, ``adaptive``: lower k where drafts fail (and pause drafting where none is accepted)."""
+
+    method: str = "none"
+    k: int = 4
+    adaptive: bool = True
+
+
+@dataclass
+class SpecState:
+    """One request's drafting: its current k, and while paused the output length at which it drafts again."""
+
+    k: int
+    k_max: int
+    resume_at: int = 0
+    pause: int = _FIRST_PAUSE
+
+
+class Speculator:
+    """Built by the config builder when ``speculative.method`` is not ``none``; the engine calls it under its lock.
+
+    ``propose`` (before the scheduler runs) gives eligible running requests a ``draft``; ``fill`` (after the
+    scheduler grew their KV for it) lets a proposer that drafts with the target's KV write the tokens;
+    ``verified`` (in the postprocess) learns what verification kept."""
+
+    def __init__(self, proposer, settings: SpeculativeSettings, max_model_len: int, bus: EventBus | None = None):
+        self.proposer = proposer
+        self.k = settings.k
+        self.adaptive = settings.adaptive
+        self.max_model_len = max_model_len
+        self.bus = bus if bus is not None else EventBus()
+        self._fills = getattr(proposer, "fill", None)
+        self._releases = getattr(proposer, "release", None)
+
+    def _state(self, req: Request) -> SpecState | None:
+        st = req.spec_state
+        if st is None:
+            asked = req.spec_tokens
+            k = self.k if asked is None else min(asked, self.k)
+            st = req.spec_state = SpecState(k, k)
+        return st
+
+    def propose(self, running: Sequence[Request]) -> None:
+        reqs, ks = [], []
+        for r in running:
+            if r.num_computed + 1 != r.num_tokens or r.matcher is not None:
+                continue  # mid-prompt, or constrained (its matcher sees one token at a time)
+            st = self._state(r)
+            if st.k_max == 0:
+                continue
+            n_out = len(r.output_ids)
+            if n_out < st.resume_at:
+                continue
+            # the step yields up to k + 1 tokens: none past max_tokens or the context
+            k = min(st.k, r.params.max_tokens - n_out - 1, self.max_model_len - r.num_tokens - 1)
+            if k > 0:
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return
+        for r, k, d in zip(reqs, ks, self.proposer.propose(reqs, ks)):
+            if d:
+                r.draft = list(d[:k])
+
+    def fill(self, schedule: Sequence[tuple[Request, int]]) -> None:
+        if self._fills is not None:
+            reqs = [r for r, _ in schedule if r.draft]
+            if reqs:
+                self._fills(reqs)
+
+    def release(self, req: Request) -> None:
+        """The request ended: what the proposer keeps for it goes."""
+        if self._releases is not None:
+            self._releases(req)
+
+    def verified(self, outcome: Sequence[tuple[Request, int, int]]) -> None:
+        """``(request, drafted, accepted)`` per speculating request of the step."""
+        per_pos = [0] * self.k
+        drafted_total = accepted_total = 0
+        for req, drafted, accepted in outcome:
+            req.num_draft_tokens += drafted
+            req.num_accepted_tokens += accepted
+            drafted_total += drafted
+            accepted_total += accepted
+            for j in range(min(accepted, self.k)):
+                per_pos[j] += 1
+            st = req.spec_state
+            if st is None or not self.adaptive:
+                continue
+            if accepted == 0:  # pause, longer each time in a row
+                st.resume_at = len(req.output_ids) + st.pause
+                st.pause = min(st.pause * 2, _MAX_PAUSE)
+                st.k = 1
+            else:
+                st.pause = _FIRST_PAUSE
+                st.k = min(st.k_max, accepted + 1)  # one more than it kept: grows while drafts hold
+        if self.bus.enabled and outcome:
+            self.bus.publish(SpeculationVerified(len(outcome), drafted_total, accepted_total, tuple(per_pos)))
