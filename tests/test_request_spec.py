@@ -27,6 +27,7 @@ def full_spec(request_id: str) -> RequestSpec:
         session_id=f"session-{request_id}",
         request_id=request_id,
         constraint={"regex": "[0-9a-z]{1,6}"},
+        num_speculative_tokens=2,
     )
 
 

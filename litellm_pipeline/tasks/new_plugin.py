@@ -59,6 +59,8 @@ KINDS: dict[str, KindSpec] = {
     "constraint": KindSpec("regex", "litellm_pipeline.constraints.kinds:Regex",
                            "per request: constraint={'$name': VALUE} (server: structured_outputs={'$name': VALUE})",
                            "check_constraint", check_args=', values=["[0-9]{1,3}", "(yes|no)!"], bad_values=["(a"]'),
+    "proposer": KindSpec("ngram", "litellm_pipeline.speculative.ngram:NgramProposer", "speculative.method=$name",
+                         "check_proposer"),
     "router": KindSpec("tierset", "litellm_pipeline.tiers.router:TierSetRouter",
                        "pipeline.stages.route.params.router=$name", "check_router"),
 }

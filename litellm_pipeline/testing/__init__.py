@@ -23,6 +23,7 @@ def test_my_policy_conforms():
 | sampler | :func:`check_sampler` | greedy ties, top-k/top-p/min-p, seeded determinism, draw frequencies, logprobs |
 | stage | :func:`check_stage` | the demo model's pipeline with the stage in it: mixed batches, streaming, aborts, preemption |
 | scheduler | :func:`check_scheduler` | tiny pools with recompute and swap preemption, late arrivals, aborts; every plan checked |
+| proposer | :func:`check_proposer` | greedy output equal to no speculation (batched, alone, tiny pools with recompute and swap), seeded reproducibility, drafts in range, every block back |
 | constraint | :func:`check_constraint` | compile of good and bad values, seeded token walks through the mask to end-of-sequence, refusals, rollback; the demo engine |
 | telemetry | :func:`check_telemetry_sink` | one event of every type, a real run's events, and a live engine |
 """
@@ -33,6 +34,7 @@ from litellm_pipeline.testing.constraint import check_constraint
 from litellm_pipeline.testing.kv_policy import check_kv_policy
 from litellm_pipeline.testing.layer_ops import check_layer_ops
 from litellm_pipeline.testing.moe_dispatch import check_moe_dispatch
+from litellm_pipeline.testing.proposer import check_proposer
 from litellm_pipeline.testing.router import check_router
 from litellm_pipeline.testing.sampler import check_sampler
 from litellm_pipeline.testing.scheduler import check_scheduler
@@ -46,6 +48,7 @@ __all__ = [
     "check_kv_policy",
     "check_layer_ops",
     "check_moe_dispatch",
+    "check_proposer",
     "check_router",
     "check_sampler",
     "check_scheduler",

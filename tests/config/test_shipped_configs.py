@@ -12,6 +12,7 @@ from test_compose import _group_overrides
 from litellm_pipeline.bench.settings import bench_settings
 from litellm_pipeline.config.build import build_engine, to_plain
 from litellm_pipeline.config.compose import compose, known_recipes
+from litellm_pipeline.demo import demo_checkpoint
 from litellm_pipeline.engine.engine import Engine
 from litellm_pipeline.sampling import SamplingParams
 from litellm_pipeline.tasks.budget_load import load_settings
@@ -41,7 +42,9 @@ def _build_and_run(cfg) -> Engine:
 def test_every_group_option_builds_an_engine(override):
     if override in _NEEDS_CUDA and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    _build_and_run(compose(["+recipe=generate", override]))
+    # the draft proposer's checkpoint is the one thing its option cannot name: the demo model drafts for itself
+    extra = [f"speculative.model={demo_checkpoint()}"] if override == "speculative=draft" else []
+    _build_and_run(compose(["+recipe=generate", override, *extra]))
 
 
 @pytest.mark.parametrize("name", known_recipes())

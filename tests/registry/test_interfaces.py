@@ -269,7 +269,8 @@ def test_scheduler_load_is_a_snapshot():
     from litellm_pipeline.engine.scheduler import FcfsScheduler
     from litellm_pipeline.registry.types import SchedulerLoad
 
-    kv = SimpleNamespace(hot=None, block_size=16, commit=lambda req: committed.append(req))
+    kv = SimpleNamespace(hot=None, block_size=16, commit=lambda req: committed.append(req),
+                         trim=lambda req: None)
     committed: list = []
     s = FcfsScheduler(kv, 4, 64)
     a = SimpleNamespace(prompt_ids=[1, 2, 3], num_computed=0)
