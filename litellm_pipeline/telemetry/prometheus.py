@@ -141,6 +141,15 @@ class PrometheusSink:
         self.budget_violations = Counter(PREFIX + "budget_violations",
                                          "Finished requests whose actual cost broke a budget limit.",
                                          ("limit", "tier"), registry=r)
+        # speculative decoding, as vLLM names it
+        self.spec_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Drafts verified (one per request and step).",
+                                   registry=r)
+        self.spec_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Tokens drafted.", registry=r)
+        self.spec_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens verification kept.",
+                                     registry=r)
+        self.spec_accepted_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Drafted tokens kept, by their position in the draft (0 = first).",
+                                         ("position",), registry=r)
         self._handlers: dict[type, Callable[[Any], None]] = {
             ev.RequestAdmitted: self._admitted,
             ev.RequestRejected: self._rejected,
@@ -157,6 +166,7 @@ class PrometheusSink:
             ev.BlocksDemoted: lambda e: self.demoted.inc(e.num_blocks),
             ev.BlocksPromoted: lambda e: self.promoted.inc(e.num_blocks),
             ev.StepFinished: self._state,
+            ev.SpeculationVerified: self._speculation,
         }
 
     def publish(self, event: ev.Event) -> None:
@@ -224,6 +234,14 @@ class PrometheusSink:
     def _costed(self, e: ev.RequestCosted) -> None:
         for limit in e.budget_missed:
             self.budget_violations.labels(limit, self._tier(e.tier)).inc()
+
+    def _speculation(self, e: ev.SpeculationVerified) -> None:
+        self.spec_drafts.inc(e.num_drafts)
+        self.spec_draft_tokens.inc(e.num_draft_tokens)
+        self.spec_accepted.inc(e.num_accepted_tokens)
+        for pos, n in enumerate(e.accepted_per_position):
+            if n:
+                self.spec_accepted_pos.labels(str(pos)).inc(n)
 
     def _prefix(self, e: ev.PrefixLookup) -> None:
         self.prefix_queries.inc(e.hit_tokens + e.miss_tokens)

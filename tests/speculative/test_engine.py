@@ -1,0 +1,160 @@
+"""Speculation inside the engine: budgets, chunked prefill, stop strings, logprobs, streaming, sessions, the prefix
+cache, determinism, per-request control, back-off where drafts fail, metrics and bad settings."""
+
+from __future__ import annotations
+
+import pytest
+from _engine_util import assert_pool_empty, greedy
+from hf_models import random_prompts
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.errors import ConfigError, InvalidRequestError
+from litellm_pipeline import registry
+from litellm_pipeline.registry import register
+
+NGRAM = ["speculative=ngram"]
+
+
+def _llm(path, *overrides, **kw):
+    return LLM(model=str(path), dtype="float32", device="cpu", overrides=list(overrides), **kw)
+
+
+@pytest.fixture(scope="module")
+def path(hf_checkpoint):
+    return hf_checkpoint("llama")
+
+
+def _prompts():
+    ps = random_prompts([7, 30, 11], seed=3)
+    return [p * 2 for p in ps]  # each repeats itself: prompt lookup drafts
+
+
+def test_small_step_budget_and_tiny_pool(path):
+    sp = greedy(40)
+    ref = [o.token_ids for o in _llm(path).generate(_prompts(), sp)]
+    for extra in (["engine.max_num_batched_tokens=8"],
+                  ["cache.block_size=4", "cache.num_blocks=30"],
+                  ["cache.block_size=4", "cache.num_blocks=30", "engine.preemption=swap", "cache.warm_blocks=64"]):
+        llm = _llm(path, *NGRAM, *extra)
+        outs = llm.generate(_prompts(), sp)
+        assert [o.token_ids for o in outs] == ref, extra
+        assert sum(o.num_accepted_tokens for o in outs) > 0, extra
+        assert_pool_empty(llm)
+
+
+def test_stop_strings_max_tokens_logprobs_and_streaming(path):
+    plain, spec = _llm(path), _llm(path, *NGRAM)
+    prompt = _prompts()[0]
+    for sp in (greedy(23, logprobs=2), SamplingParams(temperature=0, max_tokens=30, stop=["e"], logprobs=1)):
+        a, b = plain.generate(prompt, sp)[0], spec.generate(prompt, sp)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason)
+        assert len(b.logprobs) == len(b.token_ids)
+        for la, lb in zip(a.logprobs, b.logprobs):
+            assert la.keys() == lb.keys()
+            assert all(abs(la[t] - lb[t]) < 1e-4 for t in la)
+    sp = greedy(25)
+    deltas = list(spec.stream(prompt, sp))
+    ref = plain.generate(prompt, sp)[0]
+    assert [t for d in deltas for t in d.token_ids] == ref.token_ids
+    assert "".join(d.text for d in deltas) == ref.text
+    assert any(len(d.token_ids) > 1 for d in deltas)  # verified drafts arrive several tokens at a time
+    assert_pool_empty(spec)
+
+
+def test_sessions_and_prefix_cache_hold_only_kept_tokens(path):
+    spec = _llm(path, *NGRAM, "cache.block_size=4")
+    plain = _llm(path, "cache.block_size=4")
+    prompt = _prompts()[0]
+    first = spec.generate(prompt, greedy(20), session_id="s")[0]
+    assert first.num_accepted_tokens > 0
+    follow = list(prompt) + first.token_ids + [70, 71, 72]
+    again = spec.generate(follow, greedy(12), session_id="s")[0]
+    # every full block of the first turn (prompt and kept output) is found again
+    assert again.num_cached_tokens == (len(prompt) + len(first.token_ids) - 1) // 4 * 4
+    assert again.token_ids == plain.generate(follow, greedy(12))[0].token_ids
+    spec.engine.end_session("s")
+    assert_pool_empty(spec)
+
+
+def test_deterministic_engine_seeded_sampling_does_not_depend_on_the_batch(path):
+    llm = _llm(path, *NGRAM, "engine.deterministic=true")
+    sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=4, ignore_eos=True)
+    ps = _prompts()
+    batched = [o.token_ids for o in llm.generate(ps, sp)]
+    alone = [llm.generate(p, sp)[0].token_ids for p in ps]
+    assert batched == alone
+    assert [o.token_ids for o in llm.generate(ps, sp)] == batched  # and reproducible
+    g = greedy(24)
+    assert [o.token_ids for o in llm.generate(ps, g)] == [o.token_ids for o in _llm(path).generate(ps, g)]
+
+
+def test_per_request_k(path):
+    llm = _llm(path, *NGRAM, "speculative.k=4")
+    prompt = _prompts()[0]
+    off = llm.generate(prompt, greedy(24), num_speculative_tokens=0)[0]
+    assert off.num_draft_tokens == 0
+    asked: list[int] = []
+    prop = llm.engine.speculator.proposer
+    original = prop.propose
+    prop.propose = lambda reqs, ks: (asked.extend(ks), original(reqs, ks))[1]
+    one = llm.generate(prompt, greedy(24), num_speculative_tokens=1)[0]
+    assert asked and set(asked) == {1} and one.num_draft_tokens > 0
+    asked.clear()
+    full = llm.generate(prompt, greedy(24))[0]
+    assert max(asked) == 4
+    assert one.token_ids == off.token_ids == full.token_ids
+    with pytest.raises(InvalidRequestError, match="num_speculative_tokens"):
+        llm.generate(prompt, greedy(4), num_speculative_tokens=-1)
+
+
+def test_failing_drafts_back_off(path):
+    with registry.isolated():
+        @register("proposer", "wrong")
+        class Wrong:
+            """Drafts a token the model never picks here (the pad id)."""
+
+            def __init__(self, rt):
+                pass
+
+            def propose(self, reqs, ks):
+                return [[2] * k for k in ks]
+
+        sp = greedy(64)
+        prompt = _prompts()[0]
+        ref = _llm(path).generate(prompt, sp)[0]
+        adaptive = _llm(path, "speculative.method=wrong").generate(prompt, sp)[0]
+        fixed = _llm(path, "speculative.method=wrong", "speculative.adaptive=false").generate(prompt, sp)[0]
+    assert adaptive.token_ids == fixed.token_ids == ref.token_ids
+    assert adaptive.num_accepted_tokens == fixed.num_accepted_tokens == 0
+    # k drafted once, then single tokens after pauses of 4, 8, 16 and 32 output tokens
+    assert adaptive.num_draft_tokens <= 4 + 4
+    # every step drafts what max_tokens leaves room for: 4 at outputs 1..59, then 3, 2, 1
+    assert fixed.num_draft_tokens == 4 * 59 + 3 + 2 + 1
+
+
+def test_prometheus_counts_drafts(path):
+    llm = _llm(path, *NGRAM, "telemetry.sinks=[prometheus]")
+    outs = llm.generate(_prompts(), greedy(30))
+    text = llm.engine.bus.sinks[0].render().decode()
+    drafted, kept = sum(o.num_draft_tokens for o in outs), sum(o.num_accepted_tokens for o in outs)
+    assert kept > 0
+    assert f"litellm_pipeline:spec_decode_num_draft_tokens_total {float(drafted)}" in text
+    assert f"litellm_pipeline:spec_decode_num_accepted_tokens_total {float(kept)}" in text
+    assert 'litellm_pipeline:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+
+
+def test_bad_settings_name_what_is_wrong(path, hf_checkpoint):
+    with pytest.raises(ConfigError, match="speculative.method.*ngram"):
+        _llm(path, "speculative.method=nope")
+    with pytest.raises(ConfigError, match="Mixture-of-Experts"):
+        _llm(path, "speculative=tier")
+    with pytest.raises(ConfigError, match="speculative.model"):
+        _llm(path, "speculative=draft")
+    with pytest.raises(ConfigError, match="vocabulary"):
+        from litellm_pipeline.demo import demo_checkpoint
+
+        _llm(path, "speculative=draft", f"speculative.model={demo_checkpoint()}")
+    with pytest.raises(ConfigError, match="speculative.k"):
+        _llm(path, "speculative=ngram", "speculative.k=0")
+    with pytest.raises(ConfigError, match="min_n"):
+        _llm(path, "speculative=ngram", "speculative.params.min_n=5")
