@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from litellm_pipeline.bench import engine_runs, llamacpp, peer, report, structured
+from litellm_pipeline.bench import engine_runs, llamacpp, peer, report, speculative, structured
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
 from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
@@ -343,9 +343,32 @@ def run_bench(cfg: Any) -> dict:
                 for key in ("llamacpp_error", "llamacpp_server_error"):
                     if row.get(key):
                         result[key] = row[key]
+    if s.speculative:
+        result["speculative"] = _measure_speculative(s, base, out)
+        mon.mark("speculative decoding")
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result
+
+
+def _measure_speculative(s: BenchSettings, base: dict, out: Path) -> dict:
+    """Each proposer vs none on the demo model's skills (bench/speculative.py); the picture next to the JSON."""
+    from litellm_pipeline.config.build import build_engine
+    from litellm_pipeline.demo import demo_checkpoint
+
+    demo = Path(demo_checkpoint())
+
+    def build(overrides: dict):
+        extra = {"pipeline.stages.select_tier.params.tier": s.speculative_tier, **overrides}
+        return build_engine(engine_config(base, demo, "float32", {**s.engine, **extra}))
+
+    got = speculative.measure_speculative(build, demo, list(s.speculative_methods), s.speculative_batches,
+                                          s.speculative_per_task, s.speculative_rounds, s.speculative_k,
+                                          s.speculative_max_tokens, s.seed)
+    got["tier"] = s.speculative_tier
+    png = speculative.plot(got, out.with_name(out.stem + "-speculative.png"))
+    got["plot"] = str(png) if png else None
+    return got
 
 
 def _save(result: dict, mon: CpuMonitor, s: BenchSettings, t_start: float, out: Path, complete: bool) -> None:

@@ -180,6 +180,19 @@ def llamacpp_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
                     "llama.cpp 1by1", "x", "srv mixed", "x", "goals"], t)]
 
 
+def speculative_table(sp: dict | None) -> list[str]:
+    """Each proposer vs none per batch size and skill (bench.speculative)."""
+    if not sp:
+        return []
+    t = [[r["method"], str(r["batch"]), r["task"], str(r["tokens"]), _f(r["tok_s"]), _f(r.get("speedup"), ".2f"),
+          _f(r["decode_tok_s"]), _f(r.get("decode_speedup"), ".2f"),
+          "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}% of {r['drafted']}"]
+         for r in sp["rows"]]
+    return ["", f"speculative decoding on the demo model at tier {sp.get('tier')} (k={sp['k']}, greedy: every method "
+            "the same tokens); x = vs none in the same run; decode = tokens after each request's first",
+            _table(["method", "batch", "skill", "tokens", "tok/s", "x", "decode tok/s", "x", "accepted"], t)]
+
+
 def structured_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
     """Masking overhead per batch size and compile times (bench.structured)."""
     got = [r for r in rows if r.get("structured")]
@@ -263,6 +276,7 @@ def render(result: dict) -> str:
                     ["model", "dtype", "hot", "expert MB", "all b1 tok/s", "b1 tok/s", "hit %", "miss/tok",
                      "prefetch %", "ms/miss"], t4)]
     out += structured_table(rows, label)
+    out += speculative_table(result.get("speculative"))
     out += llamacpp_table(rows, label)
     targets = target_lines(rows)
     if targets:

@@ -56,6 +56,17 @@ class BenchSettings(_Section):
     # structured output: masking overhead (a JSON schema vs free decoding, same tokens) at each batch size, and the
     # compile time of a typical schema; on the model's shape with a trained BPE vocabulary (bench/structured.py)
     structured: bool = False
+    # speculative decoding (bench/speculative.py): tokens/s of each proposer vs none at each batch size on the demo
+    # model's skills at speculative_tier, with acceptance rates, and a picture of speed-up against acceptance
+    speculative: bool = False
+    speculative_methods: list[Literal["none", "ngram", "tier", "draft", "draft_random"]] = Field(
+        default=["none", "ngram", "tier", "draft", "draft_random"], min_length=1)
+    speculative_batches: list[int] = Field(default=[1, 8], min_length=1)
+    speculative_tier: str = "max"
+    speculative_k: int = Field(default=4, ge=1, le=16)
+    speculative_per_task: int = Field(default=8, ge=1)
+    speculative_rounds: int = Field(default=3, ge=1)
+    speculative_max_tokens: int = Field(default=24, ge=2)
     structured_batches: list[int] = Field(default=[1, 16], min_length=1)
     structured_rounds: int = Field(default=3, ge=1)
     structured_max_tokens: int = Field(default=256, ge=16)

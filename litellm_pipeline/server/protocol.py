@@ -107,6 +107,7 @@ class _Common(_Strict):
     budget: dict[str, Any] | None = None
     session_id: str | None = None
     priority: int = 0
+    num_speculative_tokens: int | None = Field(default=None, ge=0)  # speculative decoding: 0 off, fewer drafted
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

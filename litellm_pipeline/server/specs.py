@@ -120,7 +120,7 @@ def _choices(body, prompts: list[list[int]], asked: int | None, key: str, defaul
     if logprobs is not None:
         fields["logprobs"] = logprobs
     extra = dict(tier=body.tier, budget=body.budget, tenant=tenant, priority=body.priority,
-                 session_id=body.session_id, constraint=constraint)
+                 session_id=body.session_id, constraint=constraint, num_speculative_tokens=body.num_speculative_tokens)
     out = []
     for i, ids in enumerate(prompts):
         max_tokens = _max_tokens(asked, key, default, len(ids), limits.max_model_len)

@@ -22,6 +22,7 @@ class SpeculativeSettings:
     method: str = "none"
     k: int = 4
     adaptive: bool = True
+    disable_by_batch_size: int | None = 4  # no drafts while more requests than this run (None: always draft)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class Speculator:
         self.proposer = proposer
         self.k = settings.k
         self.adaptive = settings.adaptive
+        self.max_batch = settings.disable_by_batch_size
         self.max_model_len = max_model_len
         self.bus = bus if bus is not None else EventBus()
         self._fills = getattr(proposer, "fill", None)
@@ -59,6 +61,8 @@ class Speculator:
         return st
 
     def propose(self, running: Sequence[Request]) -> None:
+        if self.max_batch is not None and len(running) > self.max_batch:
+            return  # a full batch reads the weights once for many tokens already: verification would cost more
         reqs, ks = [], []
         for r in running:
             if r.num_computed + 1 != r.num_tokens or r.matcher is not None:

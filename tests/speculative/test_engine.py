@@ -158,3 +158,13 @@ def test_bad_settings_name_what_is_wrong(path, hf_checkpoint):
         _llm(path, "speculative=ngram", "speculative.k=0")
     with pytest.raises(ConfigError, match="min_n"):
         _llm(path, "speculative=ngram", "speculative.params.min_n=5")
+
+
+def test_no_drafts_past_the_batch_limit(path):
+    ps = _prompts() * 2  # six requests
+    sp = greedy(20)
+    busy = _llm(path, *NGRAM, "speculative.disable_by_batch_size=4").generate(ps, sp)
+    assert sum(o.num_draft_tokens for o in busy[:4]) == 0  # all six run together: no drafts until two finish
+    free = _llm(path, *NGRAM, "speculative.disable_by_batch_size=null").generate(ps, sp)
+    assert sum(o.num_draft_tokens for o in free) > 0
+    assert [o.token_ids for o in busy] == [o.token_ids for o in free]

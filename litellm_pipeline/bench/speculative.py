@@ -1,0 +1,167 @@
+"""Speculative decoding in the bench (``bench.speculative=true``): tokens/s with each proposer against none, at
+batch 1 and batch N, on the demo model's skills (copy, reverse, sort, add, recall) at ``bench.speculative_tier``.
+
+Each method runs in its own engine on the same held-out prompts (greedy, so every method generates the same
+tokens). ``tok/s`` is output tokens over wall time (prompt steps included); ``decode tok/s`` counts only the
+tokens after each request's first, over the time after its first token: what speculation changes. Rounds
+alternate the methods' order and the median is kept. ``draft`` is the demo checkpoint drafting at its native
+routing for the target tier; ``draft_random`` a random checkpoint of the demo's shape and vocabulary: a draft
+that is almost never right, the case adaptive k must keep near 1x.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from litellm_pipeline.sampling import SamplingParams
+
+__all__ = ["measure_speculative", "METHODS"]
+
+METHODS = ("none", "ngram", "tier", "draft", "draft_random")
+
+
+def _overrides(method: str, k: int, demo: Path, random_draft: Callable[[], Path]) -> dict[str, Any]:
+    if method == "none":
+        return {"speculative.method": "none"}
+    out: dict[str, Any] = {"speculative.method": method, "speculative.k": k}
+    if method == "ngram":
+        out["speculative.params"] = {"max_n": 4, "min_n": 1}
+    elif method == "tier":
+        out["speculative.params"] = {"tier": "fast"}
+    elif method == "draft":
+        out["speculative.model"] = str(demo)
+    elif method == "draft_random":
+        out.update({"speculative.method": "draft", "speculative.model": str(random_draft())})
+    return out
+
+
+def _random_draft(demo: Path, seed: int) -> Path:
+    """The demo checkpoint with every weight redrawn at random (same shapes and scale): same vocabulary, no skill."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from litellm_pipeline.bench.checkpoints import cache_root
+
+    target = cache_root() / f"demo-redrawn-seed{seed}"
+    if (target / "model.safetensors").is_file():
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(demo, tmp, ignore=shutil.ignore_patterns("model.safetensors", "*.png"))
+    g = torch.Generator().manual_seed(seed)
+    weights = {k: (torch.randn(v.shape, generator=g) * v.float().std().clamp(min=1e-3)).to(v.dtype)
+               if v.dim() > 1 else v for k, v in load_file(str(demo / "model.safetensors")).items()}
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _run(engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Every prompt, ``batch`` at a time; output tokens, wall seconds, decode tokens and seconds, drafts."""
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    tokens = dec_tokens = drafted = kept = 0
+    dec_s = 0.0
+    outputs = []
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        reqs = [engine.add_request(p, sp) for p in prompts[i : i + batch]]
+        engine.run(reqs)
+        for r in reqs:
+            n = len(r.output_ids)
+            tokens += n
+            drafted += r.num_draft_tokens
+            kept += r.num_accepted_tokens
+            outputs.append(list(r.output_ids))
+            if n > 1:
+                dec_tokens += n - 1
+                dec_s += r.finish_time - r.first_token_time
+    wall = time.perf_counter() - t0
+    return {"tokens": tokens, "wall_s": wall, "dec_tokens": dec_tokens, "dec_s": dec_s, "drafted": drafted,
+            "accepted": kept, "outputs": outputs}
+
+
+def measure_speculative(build: Callable[[dict], Any], demo: Path, methods: list[str], batches: list[int],
+                        per_task: int, rounds: int, k: int, max_tokens: int, seed: int,
+                        on_step: Callable[[], None] = lambda: None) -> dict:
+    """``build(overrides)`` makes an engine on the demo model at the bench's tier with the given overrides."""
+    from litellm_pipeline.demo.skills import TASKS, heldout
+
+    examples = heldout(per_task, seed=seed)
+    by_task = {t: [e.prompt for e in examples if e.task == t] for t in TASKS}
+    drafts: dict[str, Path] = {}
+
+    def random_draft() -> Path:
+        if "p" not in drafts:
+            drafts["p"] = _random_draft(demo, seed + 1)
+        return drafts["p"]
+
+    engines = {m: build(_overrides(m, k, demo, random_draft)) for m in methods}
+    for engine in engines.values():  # warm: kernels, plans, the draft model's
+        _run(engine, by_task["copy"][:2], 2, max_tokens)
+    rows = []
+    for batch in batches:
+        for task, prompts in by_task.items():
+            got: dict[str, list[dict]] = {m: [] for m in methods}
+            for r in range(rounds):
+                order = methods if r % 2 == 0 else list(reversed(methods))
+                for m in order:
+                    got[m].append(_run(engines[m], prompts, batch, max_tokens))
+            ref = got.get("none", [None])[0]
+            base = None
+            for m in methods:
+                runs = got[m]
+                if ref is not None and runs[0]["outputs"] != ref["outputs"]:
+                    raise RuntimeError(f"speculative bench: {m} changed the greedy output on {task} (batch {batch})")
+                tok_s = statistics.median(x["tokens"] / x["wall_s"] for x in runs)
+                dec = statistics.median(x["dec_tokens"] / x["dec_s"] for x in runs if x["dec_s"] > 0) \
+                    if any(x["dec_s"] > 0 for x in runs) else None
+                row = {"method": m, "batch": batch, "task": task, "requests": len(prompts),
+                       "tokens": runs[0]["tokens"], "tok_s": tok_s, "decode_tok_s": dec,
+                       "drafted": runs[0]["drafted"], "accepted": runs[0]["accepted"],
+                       "acceptance": runs[0]["accepted"] / runs[0]["drafted"] if runs[0]["drafted"] else None}
+                if m == "none":
+                    base = row
+                if base is not None:
+                    row["speedup"] = tok_s / base["tok_s"]
+                    row["decode_speedup"] = dec / base["decode_tok_s"] if dec and base["decode_tok_s"] else None
+                rows.append(row)
+            on_step()
+    del engines
+    gc.collect()
+    return {"k": k, "max_tokens": max_tokens, "rows": rows}
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """Speed-up against acceptance, one point per (method, batch, task)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    markers = {1: "o", 8: "s"}
+    for m in sorted({r["method"] for r in result["rows"]} - {"none"}):
+        pts = [r for r in result["rows"] if r["method"] == m and r["acceptance"] is not None]
+        for b in sorted({r["batch"] for r in pts}):
+            sub = [r for r in pts if r["batch"] == b]
+            ax.scatter([r["acceptance"] for r in sub], [r["decode_speedup"] or 0 for r in sub],
+                       label=f"{m} b{b}", marker=markers.get(b, "^"))
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("acceptance (kept / drafted)")
+    ax.set_ylabel("decode speed-up vs none")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
