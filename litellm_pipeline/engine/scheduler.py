@@ -137,7 +137,8 @@ class FcfsScheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_scheduled_tokens - req.num_computed, budget)
-            if req.draft and (n < req.num_scheduled_tokens - req.num_computed or not self._grow(req, req.num_computed + n)):
+            whole = n == req.num_scheduled_tokens - req.num_computed
+            if req.draft and not (whole and self._grow(req, req.num_computed + n)):
                 # a draft is verified only whole within the budget, and it never makes anyone wait: without it
                 # the request computes its one token (the draft's blocks go back)
                 req.draft = []

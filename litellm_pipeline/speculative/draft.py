@@ -41,7 +41,8 @@ class DraftProposer:
         tok = Tokenizer.from_dir(model)
         if cfg.vocab_size != rt.model_cfg.vocab_size or tok.vocab_size != rt.tokenizer.vocab_size:
             raise ValueError(f"speculative.model {model}: its vocabulary ({cfg.vocab_size} ids, tokenizer "
-                             f"{tok.vocab_size}) is not the model's ({rt.model_cfg.vocab_size}, {rt.tokenizer.vocab_size})")
+                             f"{tok.vocab_size}) is not the model's ({rt.model_cfg.vocab_size}, "
+                             f"{rt.tokenizer.vocab_size})")
         target = rt.model
         attn = target.layers[0].self_attn.attn_fn
         moe = [layer.mlp.dispatch_fn for layer in target.layers if layer.is_moe]
