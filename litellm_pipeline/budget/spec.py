@@ -64,6 +64,12 @@ class CostRecord:
     monetary: float | None = None
     budget: BudgetSpec | None = None
     budget_met: Mapping[str, bool] = field(default_factory=dict)
+    # speculative decoding: tokens drafted for it and kept, and the list price of the work that is not in its
+    # output (verified tokens that were rejected, at its tier's output price; a tier draft's tokens at the draft
+    # tier's): reported, not charged (``monetary`` is the output's price)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    speculation_monetary: float = 0.0
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

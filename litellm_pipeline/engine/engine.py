@@ -217,6 +217,10 @@ class Engine:
     def _run(self, schedule: list[tuple[Request, int]]) -> list[RequestOutput]:
         """The step stages over ``schedule`` and the postprocess; if a stage raises, the requests' sampling
         and text state is put back as it was (nothing else was advanced) and the error propagates."""
+        if self.speculator is not None and self.speculator.fill(schedule):
+            # a draft written now may have ended early (at an end-of-sequence token): fewer tokens, row order again
+            schedule = [(r, min(n, r.num_scheduled_tokens - r.num_computed)) for r, n in schedule]
+            schedule.sort(key=lambda e: e[1] == 1)
         undo = [
             (r, r.generator.get_state() if r.generator is not None else None, r.detokenizer.checkpoint(),
              len(r.text), r.emitted_chars)
@@ -225,8 +229,6 @@ class Engine:
         ]
         ctx = StepContext(schedule, self.rt.kv.step_layout(schedule))
         try:
-            if self.speculator is not None:
-                self.speculator.fill(schedule)
             for stage in self.step_stages:
                 stage(ctx)
         except Exception:

@@ -179,8 +179,11 @@ class KVCacheManager:
             if n == 1:
                 break
             end = req.num_computed + n
-            pos = torch.arange(end)
-            chunks.append(torch.tensor(req.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            if len(schedule) == 1:  # one sequence alone (a prompt, a draft verified at batch 1): its kept slot row
+                chunks.append(self._slot_row(req.block_ids, -(-end // bs))[0, :end])
+            else:
+                pos = torch.arange(end)
+                chunks.append(torch.tensor(req.block_ids, dtype=torch.long)[pos // bs] * bs + pos % bs)
             i += 1
         decodes = schedule[i:]
         if not decodes:

@@ -64,6 +64,7 @@ class Request:
     spec_state: object | None = None  # the Speculator's per-request state (speculative/speculator.py)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    spec_monetary: float = 0.0  # list price of its speculative work not in its output (CostRecord)
     # engine bookkeeping (the engine's postprocess and the scheduler own these)
     status: RequestStatus = RequestStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -162,6 +163,7 @@ class Request:
         return CostRecord(
             ts.name, ts.experts_per_layer, sel.mode, sel.cost_model, sel.feasible, pred.latency_ms,
             pred.per_token_ms, pred.monetary, pred.quality, latency, per_token, money, self.budget, met,
+            self.num_draft_tokens, self.num_accepted_tokens, self.spec_monetary,
         )
 
 

@@ -33,6 +33,8 @@ class _Seq:
 class DraftProposer:
     """``model``: the draft checkpoint (``speculative.model``); ``num_blocks``: its KV blocks (None: the engine's)."""
 
+    costly = True  # drafting runs a model: start late while drafts keep failing (see Speculator)
+
     def __init__(self, rt, model: str | None = None, num_blocks: int | None = None):
         if model is None:
             raise ValueError("speculative.model: the draft proposer needs the path of a checkpoint that shares the "
@@ -55,6 +57,7 @@ class DraftProposer:
         self.pool = BlockPool(num_blocks or rt.pool.num_blocks)
         self.kv = allocate_kv_cache(cfg, self.pool.num_blocks, self.bs, dtype, rt.device)
         self.device = rt.device
+        self.eos = set(rt.eos_token_ids)
         self.deterministic = rt.deterministic
         self._offsets = torch.arange(self.bs)
         self._seqs: dict[int, tuple[Request, _Seq]] = {}
@@ -96,6 +99,9 @@ class DraftProposer:
             seqs.append(s)
             feeds.append((s, new, valid))
         drafts: dict[int, list[int]] = {}
+        # drafting stops at an end-of-sequence or stop token
+        stops = {id(s): (self.eos | set(r.params.stop_token_ids)) if not r.params.ignore_eos
+                 else set(r.params.stop_token_ids) for r, s in zip(reqs, seqs) if s is not None}
         if feeds:
             firsts = self._run(feeds)
             live = [(s, [t]) for (s, _, _), t in zip(feeds, firsts)]
@@ -103,14 +109,20 @@ class DraftProposer:
                 drafts[id(s)] = d
             kmax = {id(s): k for s, k in zip(seqs, ks) if s is not None}
             for j in range(1, max(kmax.values())):
-                step = [(s, d) for s, d in live if len(d) < kmax[id(s)]]
+                step = [(s, d) for s, d in live if len(d) < kmax[id(s)] and d[-1] not in stops[id(s)]]
                 if not step:
                     break
                 outs = self._run([(s, [d[-1]], len(s.tokens)) for s, d in step])
                 for (s, d), t in zip(step, outs):
                     s.tokens.append(d[-1])
                     d.append(t)
-        return [drafts.get(id(s), []) if s is not None else [] for s in seqs]
+        out = []
+        for s in seqs:
+            d = drafts.get(id(s), []) if s is not None else []
+            # a draft ends before an end-of-sequence or stop token: the row after it samples that token anyway
+            cut = next((i for i, t in enumerate(d) if t in stops[id(s)]), len(d)) if d else 0
+            out.append(d[:cut])
+        return out
 
     def _slots(self, s: _Seq, n: int) -> torch.Tensor:
         pos = torch.arange(n)

@@ -12,6 +12,14 @@ from litellm_pipeline.telemetry import EventBus, SpeculationVerified
 # failure (reset by any acceptance): a workload where nothing is accepted pays for a draft rarely
 _FIRST_PAUSE = 4
 _MAX_PAUSE = 256
+# the engine's recent acceptance (kept / drafted, a moving average over verified drafts, weight _RATE_WEIGHT each):
+# below _LOW_RATE a new request starts with k = 1 (growing by one per whole accepted draft); for a proposer that
+# drafts with a model (``costly``) it also starts drafting only after _LATE_START output tokens, but for one in
+# _PROBE_EVERY that starts at once (so a workload that turns good is seen)
+_RATE_WEIGHT = 0.25
+_LOW_RATE = 0.2
+_LATE_START = 16
+_PROBE_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,10 @@ class Speculator:
         self.max_batch = settings.disable_by_batch_size
         self.max_model_len = max_model_len
         self.bus = bus if bus is not None else EventBus()
+        self.rate = 1.0
+        self._started = 0
+        self._costly = bool(getattr(proposer, "costly", False))
+        self._draft_price = getattr(proposer, "draft_price", None)  # a tier draft's Price per token
         self._fills = getattr(proposer, "fill", None)
         self._releases = getattr(proposer, "release", None)
 
@@ -58,6 +70,11 @@ class Speculator:
             asked = req.spec_tokens
             k = self.k if asked is None else min(asked, self.k)
             st = req.spec_state = SpecState(k, k)
+            if self.adaptive and k and self.rate < _LOW_RATE:  # drafts have mostly failed lately: start small
+                self._started += 1
+                st.k = 1
+                if self._costly and self._started % _PROBE_EVERY:
+                    st.resume_at = _LATE_START
         return st
 
     def propose(self, running: Sequence[Request]) -> None:
@@ -84,11 +101,16 @@ class Speculator:
             if d:
                 r.draft = list(d[:k])
 
-    def fill(self, schedule: Sequence[tuple[Request, int]]) -> None:
-        if self._fills is not None:
-            reqs = [r for r, _ in schedule if r.draft]
-            if reqs:
-                self._fills(reqs)
+    def fill(self, schedule: Sequence[tuple[Request, int]]) -> bool:
+        """The proposer's ``fill`` over the scheduled drafts (their KV grown); True if it ran (drafts may be
+        shorter now)."""
+        if self._fills is None:
+            return False
+        reqs = [r for r, _ in schedule if r.draft]
+        if not reqs:
+            return False
+        self._fills(reqs)
+        return True
 
     def release(self, req: Request) -> None:
         """The request ended: what the proposer keeps for it goes."""
@@ -99,13 +121,19 @@ class Speculator:
         """``(request, drafted, accepted)`` per speculating request of the step."""
         per_pos = [0] * self.k
         drafted_total = accepted_total = 0
+        draft_price = self._draft_price
         for req, drafted, accepted in outcome:
             req.num_draft_tokens += drafted
             req.num_accepted_tokens += accepted
+            ts = req.tierset
+            if ts is not None:  # what the rejected rows and the draft cost at list prices (reported, not charged)
+                req.spec_monetary += ((drafted - accepted) * ts.price.output_1k
+                                      + drafted * (draft_price.output_1k if draft_price is not None else 0.0)) / 1000
             drafted_total += drafted
             accepted_total += accepted
             for j in range(min(accepted, self.k)):
                 per_pos[j] += 1
+            self.rate += _RATE_WEIGHT * (accepted / drafted - self.rate)
             st = req.spec_state
             if st is None or not self.adaptive:
                 continue

@@ -20,6 +20,8 @@ class TierProposer:
     """``tier``: the configured tier that drafts (default ``fast``). A request whose own tier costs no more than it
     does not speculate (the draft would cost what verification does)."""
 
+    costly = True  # drafting runs a model: start late while drafts keep failing (see Speculator)
+
     def __init__(self, rt, tier: str = "fast", router: str = "tierset"):
         if not rt.model_cfg.is_moe:
             raise ValueError("speculative.method=tier needs a Mixture-of-Experts model (a dense model's tiers all "
@@ -28,8 +30,10 @@ class TierProposer:
             raise ValueError(f"speculative.params.tier: {tier!r} is not a configured tier ({', '.join(rt.tiers)})")
         self.rt = rt
         self.tierset = rt.tiers[tier]
+        self.draft_price = self.tierset.price  # the drafts' work at list price (CostRecord.speculation_monetary)
         self.router = registry.get("router", router)(rt.model_cfg, rt.device)
         self._row = SimpleNamespace(tierset=self.tierset)  # what the router reads of a request
+        self._plans: dict[int, object] = {}
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         """Placeholders of each draft's length: the tokens are drafted by :meth:`fill` over the grown KV."""
@@ -39,26 +43,41 @@ class TierProposer:
 
     @torch.inference_mode()
     def fill(self, reqs: Sequence[Request]) -> None:
-        """Draft every request's tokens greedily at the draft tier, one batched decode forward per position."""
+        """Draft every request's tokens greedily at the draft tier, one batched decode forward per position. A
+        draft ends before an end-of-sequence or stop token: the row after the draft samples it if the request's
+        tier agrees, so verifying it as a draft token would only cost a row."""
         rt = self.rt
-        kv = rt.kv
         starts = [r.num_computed for r in reqs]
-        table = kv.slot_table([r.block_ids for r in reqs], [s + len(r.draft) for r, s in zip(reqs, starts)])
+        table = rt.kv.slot_table([r.block_ids for r in reqs], [s + len(r.draft) for r, s in zip(reqs, starts)])
         tokens = [r.token_at(s, s + 1)[0] for r, s in zip(reqs, starts)]
+        stops = [rt.eos_token_ids | set(r.params.stop_token_ids) if not r.params.ignore_eos
+                 else set(r.params.stop_token_ids) for r in reqs]
+        live = list(range(len(reqs)))
         for j in range(max(len(r.draft) for r in reqs)):
-            live = [i for i, r in enumerate(reqs) if len(r.draft) > j]
-            idx = torch.tensor(live)
-            slots = table[idx] if len(live) < len(reqs) else table
+            live = [i for i in live if len(reqs[i].draft) > j]
+            if not live:
+                break
+            whole = len(live) == len(reqs)
+            slots = table if whole else table[torch.tensor(live)]
             lens = torch.tensor([starts[i] + j + 1 for i in live])
-            ids = torch.tensor([tokens[i] for i in live])
-            out = self._forward(ids, slots, lens, len(live))
+            out = self._forward(torch.tensor([tokens[i] for i in live]), slots, lens, len(live))
+            ended = []
             for i, t in zip(live, out):
-                reqs[i].draft[j] = t
+                draft = reqs[i].draft
+                if t in stops[i]:
+                    del draft[j:]
+                    ended.append(i)
+                    continue
+                draft[j] = t
                 tokens[i] = t
+            if ended:
+                live = [i for i in live if i not in ended]
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, b: int) -> list[int]:
         rt = self.rt
-        plan = self.router.plan([(self._row, 1)] * b)
+        plan = self._plans.get(b)
+        if plan is None:  # the same for every step of b rows
+            plan = self._plans[b] = self.router.plan([(self._row, 1)] * b)
         got = rt.model.decode_tokens(ids, slots, lens, rt.kv_caches, plan, logits=True, argmax=True)
         if got is not None and got[1] is not None:
             return got[1].tolist()

@@ -22,6 +22,10 @@ from litellm_pipeline.registry import register
 from litellm_pipeline.registry.types import AttentionMetadata
 from litellm_pipeline.stages.base import Stage, StepContext
 
+# the most rows a step may have to go through the fused decode kernels as rows (see Decode._fused_rows); the kernels
+# refuse what they cannot take themselves (then the step takes the general path)
+_FUSED_ROWS_MAX = 32
+
 
 @register("stage", "decode")
 class Decode(Stage):
@@ -59,7 +63,7 @@ class Decode(Stage):
         ctx.logits_argmax = None
         if decodes and not pb.requests and self.graphs is None and self._decode_only(ctx, decodes):
             return
-        if pb.requests and self.graphs is None and self._verify_only(ctx, len(pb.requests)):
+        if pb.requests and self.graphs is None and self._fused_rows(ctx, len(pb.requests)):
             return
         ids = list(pb.token_ids)
         positions, slots, rope_lens = list(pb.positions), list(pb.slots), list(pb.rope_seq_lens)
@@ -125,39 +129,50 @@ class Decode(Stage):
         return True
 
 
-    def _verify_only(self, ctx: StepContext, num_chunks: int) -> bool:
-        """A step of speculative drafts and decodes alone through the model's fused decode: a draft's positions
-        are rows of their own (position p attends the context up to p, written by the rows before it), so the
-        step costs what a decode step of that many rows does. False where it does not apply (then the general
-        path)."""
+    def _fused_rows(self, ctx: StepContext, num_chunks: int) -> bool:
+        """A step with multi-token entries (prompt chunks, speculative drafts) through the model's fused decode
+        where its kernels take that many rows: each token is a row of its own that attends its sequence's context up
+        to its position (the kernel writes every row's K/V before any row attends when rows of one sequence follow
+        each other), so a short chunk costs what a decode step of that many rows does, not a framework forward.
+        False where it does not apply (then the general path). Not in batch-invariant mode: which path an entry
+        takes would depend on what shares its step."""
+        if self.batch_invariant:
+            return False
         rt, kv, sched = self.rt, ctx.kv_layout, ctx.schedule
-        chunks = sched[:num_chunks]
-        if any(not r.draft or r.num_computed + n != r.num_scheduled_tokens for r, n in chunks):
-            return False  # a prompt chunk: the general path
         decodes = sched[num_chunks:]
         if any(r.num_computed + 1 != r.num_tokens for r, _ in decodes):
-            return False
-        ids, lens, rows = [], [], []
-        for (r, n), slots in zip(chunks, kv.chunk_slots):
+            return False  # a prompt's one-token chunk that does not reach its end
+        ids, lens, parts, rows, reqs = [], [], [], [], []
+        at = 0
+        for (r, n), slots in zip(sched[:num_chunks], kv.chunk_slots):
             ids += r.token_at(r.num_computed, r.num_computed + n)
             lens += range(r.num_computed + 1, r.num_computed + n + 1)
-            rows += [slots] * n
-        lmax = max(len(t) for t in rows)
+            parts.append(slots.expand(n, -1))
+            at += n
+            if r.num_computed + n == r.num_scheduled_tokens:  # catches up: its last row (and a draft's) samples
+                rows += range(at - 1 - len(r.draft), at)
+                reqs.append(r)
+        if len(ids) + len(decodes) > _FUSED_ROWS_MAX:
+            return False
         if decodes:
             ids += [r.token_at(r.num_computed, r.num_computed + 1)[0] for r, _ in decodes]
             lens += kv.decode_ctx_lens.tolist()
-            lmax = max(lmax, kv.decode_slots.shape[1])
-        table = torch.zeros((len(ids), lmax), dtype=torch.long)
-        for i, t in enumerate(rows):
-            table[i, : len(t)] = t
-        if decodes:
-            table[len(rows):, : kv.decode_slots.shape[1]] = kv.decode_slots
+            parts.append(kv.decode_slots)
+            rows += range(at, at + len(decodes))
+            reqs += [r for r, _ in decodes]
+        lmax = max(p.shape[1] for p in parts)
+        table = torch.cat([p if p.shape[1] == lmax else torch.nn.functional.pad(p, (0, lmax - p.shape[1]))
+                           for p in parts]) if len(parts) > 1 else parts[0].contiguous()
+        every = len(rows) == len(ids)
         got = rt.model.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), rt.kv_caches, ctx.route_plan,
-                                     logits=True)
+                                     logits=every)
         if got is None:
             return False
-        ctx.sample_requests = [r for r, _ in sched]
-        ctx.logits = got[0]
+        ctx.sample_requests = reqs
+        if every:
+            ctx.logits = got[0]
+        else:
+            ctx.logits = rt.model.compute_logits(got[0][torch.tensor(rows)]) if rows else None
         return True
 
 

@@ -168,3 +168,18 @@ def test_no_drafts_past_the_batch_limit(path):
     free = _llm(path, *NGRAM, "speculative.disable_by_batch_size=null").generate(ps, sp)
     assert sum(o.num_draft_tokens for o in free) > 0
     assert [o.token_ids for o in busy] == [o.token_ids for o in free]
+
+
+def test_cost_record_reports_the_speculative_work():
+    from litellm_pipeline.demo import demo_checkpoint  # noqa: F401  (the default model)
+
+    llm = LLM(tier="max", overrides=["speculative=tier"])
+    out = llm.generate("copy:abc12x=", SamplingParams(temperature=0, max_tokens=12))[0]
+    c = out.cost
+    assert (c.draft_tokens, c.accepted_tokens) == (out.num_draft_tokens, out.num_accepted_tokens)
+    assert c.draft_tokens > 0
+    tiers = llm.engine.rt.tiers
+    want = ((c.draft_tokens - c.accepted_tokens) * tiers["max"].price.output_1k
+            + c.draft_tokens * tiers["fast"].price.output_1k) / 1000
+    assert abs(c.speculation_monetary - want) < 1e-12
+    assert c.monetary == tiers["max"].price.of(len(out.prompt_token_ids), len(out.token_ids))  # output only
