@@ -59,7 +59,10 @@ def _check_lengths(s: BenchSettings, models: list[tuple[str, dict]], max_model_l
         for what, need in (("prompt_len[1] + output_len[1]", s.prompt_len[1] + s.output_len[1]),
                            ("batch1_prompt_len + batch1_output_len", s.batch1_prompt_len + s.batch1_output_len),
                            ("prefix_len + prefix_suffix_len + 1", s.prefix_len + s.prefix_suffix_len + 1),
-                           ("structured_max_tokens + 24", (s.structured_max_tokens + 24) if s.structured else 0)):
+                           ("structured_max_tokens + 24", (s.structured_max_tokens + 24) if s.structured else 0),
+                           ("speculative_prompt_len + speculative_output_len + speculative_k",
+                            s.speculative_prompt_len + s.speculative_output_len + s.speculative_k
+                            if s.speculative and s.speculative_models else 0)):
             if need > limit:
                 raise ConfigError(f"bench.{what} = {need} exceeds model {name}'s context of {limit} tokens")
 
@@ -344,15 +347,17 @@ def run_bench(cfg: Any) -> dict:
                     if row.get(key):
                         result[key] = row[key]
     if s.speculative:
-        result["speculative"] = _measure_speculative(s, base, out)
+        result["speculative"] = _measure_speculative(s, base, out, models if s.speculative_models else [], paths)
         mon.mark("speculative decoding")
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result
 
 
-def _measure_speculative(s: BenchSettings, base: dict, out: Path) -> dict:
-    """Each proposer vs none on the demo model's skills (bench/speculative.py); the picture next to the JSON."""
+def _measure_speculative(s: BenchSettings, base: dict, out: Path, models: list[tuple[str, dict]],
+                         paths: dict[str, Path]) -> dict:
+    """Each proposer vs none on the demo model's skills and on each bench model (bench/speculative.py); the
+    picture next to the JSON."""
     from litellm_pipeline.config.build import build_engine
     from litellm_pipeline.demo import demo_checkpoint
 
@@ -366,6 +371,12 @@ def _measure_speculative(s: BenchSettings, base: dict, out: Path) -> dict:
                                           s.speculative_per_task, s.speculative_rounds, s.speculative_k,
                                           s.speculative_max_tokens, s.seed)
     got["tier"] = s.speculative_tier
+    got["models"] = [
+        speculative.measure_checkpoint(
+            lambda p, extra: build_engine(engine_config(base, p, "float32", {**s.engine, **extra})), paths[name],
+            mcfg, name, s.model_seed, s.speculative_batches, s.speculative_requests, s.speculative_prompt_len,
+            s.speculative_output_len, s.speculative_k, list(s.speculative_methods))
+        for name, mcfg in models]
     png = speculative.plot(got, out.with_name(out.stem + "-speculative.png"))
     got["plot"] = str(png) if png else None
     return got

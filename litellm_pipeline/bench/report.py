@@ -188,9 +188,17 @@ def speculative_table(sp: dict | None) -> list[str]:
           _f(r["decode_tok_s"]), _f(r.get("decode_speedup"), ".2f"),
           "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}% of {r['drafted']}"]
          for r in sp["rows"]]
-    return ["", f"speculative decoding on the demo model at tier {sp.get('tier')} (k={sp['k']}, greedy: every method "
-            "the same tokens); x = vs none in the same run; decode = tokens after each request's first",
-            _table(["method", "batch", "skill", "tokens", "tok/s", "x", "decode tok/s", "x", "accepted"], t)]
+    out = ["", f"speculative decoding on the demo model at tier {sp.get('tier')} (k={sp['k']}, greedy: every method "
+           "the same tokens); x = vs none in the same run; decode = tokens after each request's first",
+           _table(["method", "batch", "skill", "tokens", "tok/s", "x", "decode tok/s", "x", "accepted"], t)]
+    for m in sp.get("models") or []:
+        t2 = [[r["method"], str(r["batch"]), str(r["tokens"]), _f(r["tok_s"]), _f(r["speedup"], ".2f"),
+               "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.0f}% of {r['drafted']}",
+               "yes" if r["same"] else "NO"] for r in m["rows"]]
+        out += ["", f"speculative decoding on {m['model']} (random weights, float32, {m['prompt_len']}-token random "
+                f"prompts, {m['output_len']} tokens each{', tier max' if m['moe'] else ''}); same = none's tokens",
+                _table(["method", "batch", "tokens", "tok/s", "x", "accepted", "same"], t2)]
+    return out
 
 
 def structured_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:

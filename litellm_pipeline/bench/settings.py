@@ -67,6 +67,11 @@ class BenchSettings(_Section):
     speculative_per_task: int = Field(default=8, ge=1)
     speculative_rounds: int = Field(default=3, ge=1)
     speculative_max_tokens: int = Field(default=24, ge=2)
+    # and on each bench model (float32, random prompts, ignore_eos): none / ngram / draft / tier (MoE)
+    speculative_models: bool = True
+    speculative_requests: int = Field(default=4, ge=1)
+    speculative_prompt_len: int = Field(default=32, ge=1)
+    speculative_output_len: int = Field(default=64, ge=2)
     structured_batches: list[int] = Field(default=[1, 16], min_length=1)
     structured_rounds: int = Field(default=3, ge=1)
     structured_max_tokens: int = Field(default=256, ge=16)

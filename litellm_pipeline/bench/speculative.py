@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from litellm_pipeline.sampling import SamplingParams
 
-__all__ = ["measure_speculative", "METHODS"]
+__all__ = ["measure_speculative", "measure_checkpoint", "METHODS"]
 
 METHODS = ("none", "ngram", "tier", "draft", "draft_random")
 
@@ -63,9 +63,11 @@ def _random_draft(demo: Path, seed: int) -> Path:
     return target
 
 
-def _run(engine, prompts: list[str], batch: int, max_tokens: int) -> dict:
-    """Every prompt, ``batch`` at a time; output tokens, wall seconds, decode tokens and seconds, drafts."""
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+def _run(engine, prompts: list, batch: int, sp: SamplingParams | int) -> dict:
+    """Every prompt, ``batch`` at a time (``sp``: the params, or greedy ``max_tokens``); output tokens, wall
+    seconds, decode tokens and seconds, drafts."""
+    if isinstance(sp, int):
+        sp = SamplingParams(temperature=0, max_tokens=sp)
     tokens = dec_tokens = drafted = kept = 0
     dec_s = 0.0
     outputs = []
@@ -136,6 +138,64 @@ def measure_speculative(build: Callable[[dict], Any], demo: Path, methods: list[
     del engines
     gc.collect()
     return {"k": k, "max_tokens": max_tokens, "rows": rows}
+
+
+def _draft_config(cfg: dict) -> dict:
+    """A small model of the same family and vocabulary (the ``draft`` of a bench checkpoint): 2 layers, width 64."""
+    small = {**cfg, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16}
+    if "num_local_experts" in cfg:
+        small["intermediate_size"] = 96
+    return small
+
+
+def measure_checkpoint(build: Callable[[Path, dict], Any], path: Path, cfg: dict, name: str, seed: int,
+                       batches: list[int], requests: int, prompt_len: int, output_len: int, k: int,
+                       only: list[str] | None = None) -> dict:
+    """A bench checkpoint (random weights): none, ngram, draft (a 2-layer model of its vocabulary, random too) and,
+    for a MoE model, tier, on random prompts with ``ignore_eos``; ``same`` says whether each method generated
+    none's tokens (greedy over random weights can meet near-ties that the chunked verification rounds otherwise)."""
+    import random
+
+    from litellm_pipeline.bench.checkpoints import cache_root, write_random_checkpoint
+
+    moe = "num_local_experts" in cfg or "num_experts" in cfg
+    draft = None
+    if only is None or "draft" in only:
+        draft = write_random_checkpoint(cache_root() / f"bench-{name}-draft-seed{seed}", _draft_config(cfg), seed + 1)
+    methods = {"none": {"speculative.method": "none"},
+               "ngram": {"speculative.method": "ngram", "speculative.k": k, "speculative.params": {"max_n": 4}}}
+    if draft is not None:
+        methods["draft"] = {"speculative.method": "draft", "speculative.k": k, "speculative.model": str(draft)}
+    if moe:
+        methods["tier"] = {"speculative.method": "tier", "speculative.k": k, "speculative.params": {"tier": "fast"}}
+        for overrides in methods.values():  # the target runs at its costliest tier, as on the demo model
+            overrides["pipeline.stages.select_tier.params.tier"] = "max"
+    if only is not None:
+        methods = {m: o for m, o in methods.items() if m == "none" or m in only}
+    rng = random.Random(seed)
+    vocab = cfg["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
+    sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    rows = []
+    for m, overrides in methods.items():
+        engine = build(path, {"cache.enable_prefix_caching": False, **overrides})
+        _run(engine, prompts[:1], 1, sp)  # warm
+        for batch in batches:
+            got = _run(engine, prompts, batch, sp)
+            kept = {x: got[x] for x in ("tokens", "wall_s", "drafted", "accepted")}
+            rows.append({"method": m, "batch": batch, **kept,
+                         "tok_s": got["tokens"] / got["wall_s"], "outputs": got["outputs"]})
+        del engine
+        gc.collect()
+    for r in rows:
+        base = next(b for b in rows if b["method"] == "none" and b["batch"] == r["batch"])
+        r["speedup"] = r["tok_s"] / base["tok_s"]
+        r["same"] = r["outputs"] == base["outputs"]
+        r["acceptance"] = r["accepted"] / r["drafted"] if r["drafted"] else None
+    for r in rows:
+        del r["outputs"]
+    return {"model": name, "moe": moe, "prompt_len": prompt_len, "output_len": output_len, "rows": rows}
 
 
 def plot(result: dict, path: Path) -> Path | None:

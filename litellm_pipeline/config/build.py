@@ -345,7 +345,8 @@ def build_speculator(app: AppConfig, rt: Runtime) -> Speculator | None:
         proposer = cls(rt, **params)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"speculative ({s.method}): {exc}") from exc
-    return Speculator(proposer, SpeculativeSettings(s.method, s.k, s.adaptive, s.disable_by_batch_size), rt.max_model_len, rt.bus)
+    settings = SpeculativeSettings(s.method, s.k, s.adaptive, s.disable_by_batch_size)
+    return Speculator(proposer, settings, rt.max_model_len, rt.bus)
 
 
 def _stage_param_error(stage: str, params: dict, msg: str) -> str:

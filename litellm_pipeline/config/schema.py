@@ -170,7 +170,7 @@ class SpeculativeSection(_Section):
     method: str = "none"  # registry kind "proposer", or none
     k: int = Field(default=4, ge=1, le=16)
     adaptive: bool = True
-    disable_by_batch_size: int | None = Field(default=4, ge=1)
+    disable_by_batch_size: int | None = Field(default=2, ge=1)
     model: str | None = None  # the draft proposer's checkpoint
     params: dict[str, Any] = {}
 

@@ -286,24 +286,35 @@ class Engine:
                 req.draft = []  # its kept tokens are among the samples, appended below
             if self.speculator is not None:
                 self.speculator.verified(verified[1])
-        counts: dict[int, int] = {}
-        emitted: dict[tuple[int, int], Any] = {}
-        for e in getattr(ctx, "emissions", ()):
-            k = counts.get(id(e.request), 0)
-            counts[id(e.request)] = k + 1
-            emitted[(id(e.request), k)] = e
-        allowed = verified[2] if verified is not None else {}
+        multi = verified is not None  # a request may have several samples (its kept draft tokens and one more)
+        emissions = getattr(ctx, "emissions", ())
+        if multi:
+            counts: dict[int, int] = {}
+            emitted: dict[Any, Any] = {}
+            for e in emissions:
+                k = counts.get(id(e.request), 0)
+                counts[id(e.request)] = k + 1
+                emitted[(id(e.request), k)] = e
+            allowed = verified[2]
+        else:
+            emitted = {id(e.request): e for e in emissions}
         now = time.monotonic()
         outputs: dict[int, Any] = {}  # id(request) -> its RequestOutput, or [request, delta text, delta ids]
         gap_reqs: list[Request] = []
         gaps: list[float] = []
         for req, token, logprobs in ctx.samples:
             key = id(req)
-            out = outputs.get(key)
-            k = len(out[2]) if isinstance(out, list) else 0
-            if req.finished or k >= allowed.get(key, 1):
-                continue  # ended by an earlier sample, or listed more often than it verified tokens
-            e = emitted.get((key, k))
+            if multi:
+                out = outputs.get(key)
+                k = len(out[2]) if isinstance(out, list) else 0
+                if req.finished or k >= allowed.get(key, 1):
+                    continue  # ended by an earlier sample, or listed more often than it verified tokens
+                e = emitted.get((key, k))
+            else:
+                if req.finished or key in outputs:
+                    continue  # a stage listed the same request twice: the first sample counted
+                out = None
+                e = emitted.get(key)
             reason = (e.finish_reason if e is not None else None) or req.stop_reason(
                 token, rt.eos_token_ids, rt.max_model_len
             )

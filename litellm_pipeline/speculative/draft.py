@@ -18,6 +18,7 @@ from litellm_pipeline.engine.runtime import allocate_kv_cache
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.registry import register
 from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
+from litellm_pipeline.stages.decode import FUSED_ROWS_MAX
 from litellm_pipeline.text.tokenizer import Tokenizer
 
 
@@ -130,37 +131,52 @@ class DraftProposer:
 
     @torch.inference_mode()
     def _run(self, feeds: list[tuple[_Seq, list[int], int]]) -> list[int]:
-        """Feed each sequence its new tokens from position ``start``; the argmax after each one's last."""
-        ids, lens, rows = [], [], []
+        """Feed each sequence its new tokens from position ``start``; the argmax after each one's last. More rows
+        than the fused kernels take go in pieces of that many (a small model computes them faster so than through
+        the general path)."""
+        if sum(len(new) for _, new, _ in feeds) <= FUSED_ROWS_MAX:
+            return self._rows(feeds)
+        out = []
+        for s, new, start in feeds:
+            while len(new) > FUSED_ROWS_MAX:
+                self._rows([(s, new[:FUSED_ROWS_MAX], start)])
+                new, start = new[FUSED_ROWS_MAX:], start + FUSED_ROWS_MAX
+            out += self._rows([(s, new, start)])
+        return out
+
+    def _rows(self, feeds: list[tuple[_Seq, list[int], int]]) -> list[int]:
+        ids, lens, parts, slot_rows, last = [], [], [], [], []
         for s, new, start in feeds:
             end = start + len(new)
             slots = self._slots(s, end)
+            slot_rows.append(slots)
             ids += new
             lens += range(start + 1, end + 1)
-            rows += [slots] * len(new)
+            parts.append(slots.expand(len(new), -1))
+            last.append(len(ids) - 1)
         m = self.model
-        table = torch.zeros((len(ids), max(lens)), dtype=torch.long)
-        for i, t in enumerate(rows):
-            table[i, : len(t)] = t
-        got = m.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), self.kv, None, logits=True)
+        got = None
+        if len(ids) <= FUSED_ROWS_MAX:  # every token a row of the fused decode kernels (see Decode._fused_rows)
+            lmax = max(p.shape[1] for p in parts)
+            table = torch.cat([torch.nn.functional.pad(p, (0, lmax - p.shape[1])) for p in parts])
+            got = m.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), self.kv, None,
+                                  logits=len(feeds) == len(ids))
         if got is not None:
-            logits = got[0]
-        else:  # the general path: every sequence's new tokens as one chunk
-            seqs, slot_map, positions, q = [], [], [], 0
-            for s, new, start in feeds:
-                end = start + len(new)
-                slots = self._slots(s, end)
-                seqs.append(SeqAttention(q, len(new), end, slots.to(self.device)))
-                slot_map.append(slots[start:end])
-                positions.append(torch.arange(start, end))
-                q += len(new)
-            meta = AttentionMetadata(torch.cat(slot_map).to(self.device), torch.cat(positions).to(self.device), seqs,
-                                     batch_invariant=self.deterministic)
-            hidden = m(torch.tensor(ids, device=self.device), meta, self.kv, None,
-                       torch.tensor(lens, device=self.device) if m.dynamic_rope else None)
-            logits = m.compute_logits(hidden)
-        last, at = [], 0
-        for _, new, _ in feeds:
-            at += len(new)
-            last.append(at - 1)
-        return logits[torch.tensor(last, device=logits.device)].argmax(-1).tolist()
+            hidden_or_logits = got[0]
+            if len(feeds) == len(ids):
+                return hidden_or_logits.argmax(-1).tolist()
+            return m.compute_logits(hidden_or_logits[torch.tensor(last)]).argmax(-1).tolist()
+        # the general path: every sequence's new tokens as one chunk
+        seqs, slot_map, positions, q = [], [], [], 0
+        for (s, new, start), slots in zip(feeds, slot_rows):
+            end = start + len(new)
+            seqs.append(SeqAttention(q, len(new), end, slots.to(self.device)))
+            slot_map.append(slots[start:end])
+            positions.append(torch.arange(start, end))
+            q += len(new)
+        meta = AttentionMetadata(torch.cat(slot_map).to(self.device), torch.cat(positions).to(self.device), seqs,
+                                 batch_invariant=self.deterministic)
+        hidden = m(torch.tensor(ids, device=self.device), meta, self.kv, None,
+                   torch.tensor(lens, device=self.device) if m.dynamic_rope else None)
+        logits = m.compute_logits(hidden[torch.tensor(last, device=hidden.device)])
+        return logits.argmax(-1).tolist()

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from litellm_pipeline.engine.request import Request
 from litellm_pipeline.telemetry import EventBus, SpeculationVerified
 
+log = logging.getLogger(__name__)
+
 # a request whose whole draft was rejected stops drafting for this many output tokens, doubled at each further
-# failure (reset by any acceptance): a workload where nothing is accepted pays for a draft rarely
+# failure (four times as long for a costly proposer; reset by any acceptance): a workload where nothing is accepted
+# pays for a draft rarely
 _FIRST_PAUSE = 4
 _MAX_PAUSE = 256
 # the engine's recent acceptance (kept / drafted, a moving average over verified drafts, weight _RATE_WEIGHT each):
@@ -30,7 +34,7 @@ class SpeculativeSettings:
     method: str = "none"
     k: int = 4
     adaptive: bool = True
-    disable_by_batch_size: int | None = 4  # no drafts while more requests than this run (None: always draft)
+    disable_by_batch_size: int | None = 2  # no drafts while more requests than this run (None: always draft)
 
 
 @dataclass
@@ -57,7 +61,8 @@ class Speculator:
         self.max_batch = settings.disable_by_batch_size
         self.max_model_len = max_model_len
         self.bus = bus if bus is not None else EventBus()
-        self.rate = 1.0
+        self.rate = 0.5  # no evidence yet: a few failed drafts bring it below _LOW_RATE, a few kept ones near 1
+        self.failures = 0  # proposer calls that raised
         self._started = 0
         self._costly = bool(getattr(proposer, "costly", False))
         self._draft_price = getattr(proposer, "draft_price", None)  # a tier draft's Price per token
@@ -78,6 +83,9 @@ class Speculator:
         return st
 
     def propose(self, running: Sequence[Request]) -> None:
+        for r in running:
+            if r.draft:  # proposed for a step it was not scheduled in
+                r.draft = []
         if self.max_batch is not None and len(running) > self.max_batch:
             return  # a full batch reads the weights once for many tokens already: verification would cost more
         reqs, ks = [], []
@@ -97,7 +105,12 @@ class Speculator:
                 ks.append(k)
         if not reqs:
             return
-        for r, k, d in zip(reqs, ks, self.proposer.propose(reqs, ks)):
+        try:
+            drafts = self.proposer.propose(reqs, ks)
+        except Exception:  # drafts are optional: a failing proposer costs its speed-up, never a request
+            self._failed("propose")
+            return
+        for r, k, d in zip(reqs, ks, drafts):
             if d:
                 r.draft = list(d[:k])
 
@@ -109,8 +122,19 @@ class Speculator:
         reqs = [r for r, _ in schedule if r.draft]
         if not reqs:
             return False
-        self._fills(reqs)
+        try:
+            self._fills(reqs)
+        except Exception:
+            self._failed("fill")
+            for r in reqs:
+                r.draft = []
         return True
+
+    def _failed(self, what: str) -> None:
+        self.failures += 1
+        if self.failures <= 3 or self.failures % 1000 == 0:  # said, not repeated every step
+            log.exception("speculative decoding: proposer %s.%s raised (failure %d); this step runs without drafts",
+                          type(self.proposer).__name__, what, self.failures)
 
     def release(self, req: Request) -> None:
         """The request ended: what the proposer keeps for it goes."""
@@ -137,9 +161,9 @@ class Speculator:
             st = req.spec_state
             if st is None or not self.adaptive:
                 continue
-            if accepted == 0:  # pause, longer each time in a row
+            if accepted == 0:  # pause, longer each time in a row (much longer where a draft costs a model's work)
                 st.resume_at = len(req.output_ids) + st.pause
-                st.pause = min(st.pause * 2, _MAX_PAUSE)
+                st.pause = min(st.pause * (4 if self._costly else 2), _MAX_PAUSE)
                 st.k = 1
             else:
                 st.pause = _FIRST_PAUSE

@@ -24,7 +24,7 @@ from litellm_pipeline.stages.base import Stage, StepContext
 
 # the most rows a step may have to go through the fused decode kernels as rows (see Decode._fused_rows); the kernels
 # refuse what they cannot take themselves (then the step takes the general path)
-_FUSED_ROWS_MAX = 32
+FUSED_ROWS_MAX = 32
 
 
 @register("stage", "decode")
@@ -130,8 +130,8 @@ class Decode(Stage):
 
 
     def _fused_rows(self, ctx: StepContext, num_chunks: int) -> bool:
-        """A step with multi-token entries (prompt chunks, speculative drafts) through the model's fused decode
-        where its kernels take that many rows: each token is a row of its own that attends its sequence's context up
+        """A step with multi-token entries (speculative drafts beside decodes, or a prompt chunk alone) through the
+        model's fused decode where its kernels take that many rows: each token is a row of its own that attends its sequence's context up
         to its position (the kernel writes every row's K/V before any row attends when rows of one sequence follow
         each other), so a short chunk costs what a decode step of that many rows does, not a framework forward.
         False where it does not apply (then the general path). Not in batch-invariant mode: which path an entry
@@ -139,6 +139,8 @@ class Decode(Stage):
         if self.batch_invariant:
             return False
         rt, kv, sched = self.rt, ctx.kv_layout, ctx.schedule
+        if len(sched) > 1 and any(not r.draft for r, _ in sched[:num_chunks]):
+            return False  # prompt chunks beside other work: the general path batches them better (measured)
         decodes = sched[num_chunks:]
         if any(r.num_computed + 1 != r.num_tokens for r, _ in decodes):
             return False  # a prompt's one-token chunk that does not reach its end
@@ -152,7 +154,7 @@ class Decode(Stage):
             if r.num_computed + n == r.num_scheduled_tokens:  # catches up: its last row (and a draft's) samples
                 rows += range(at - 1 - len(r.draft), at)
                 reqs.append(r)
-        if len(ids) + len(decodes) > _FUSED_ROWS_MAX:
+        if len(ids) + len(decodes) > FUSED_ROWS_MAX:
             return False
         if decodes:
             ids += [r.token_at(r.num_computed, r.num_computed + 1)[0] for r, _ in decodes]

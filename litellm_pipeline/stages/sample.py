@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import torch
+
 from litellm_pipeline import registry
 from litellm_pipeline.constraints.masking import mask_logits
 from litellm_pipeline.engine.request import Sample as SampledToken
@@ -53,31 +55,48 @@ class Sample(Stage):
         accepted draft). Each kept token is a sample of the target distribution given the ones before it, so
         the output follows that distribution exactly: for a drafted token ``d`` this is rejection sampling with
         a proposal that puts all its mass on ``d`` (accept with probability ``p(d)``, else draw from ``p``
-        without ``d``). Greedy rows keep the draft while it is the argmax."""
-        rows, spans = [], []
-        for r in reqs:
+        without ``d``). Greedy rows keep the draft while it is the argmax.
+
+        A request with a generator (sampling) draws its positions one at a time and stops at the first token that
+        differs from the draft: it takes one draw per token it outputs, as without a draft, so a seeded request
+        gives the same tokens whatever was drafted (and whether anything was). The others go in one call."""
+        rows, batched, spans, starts, one_by_one = [], [], [], [], set()
+        at = 0
+        for i, r in enumerate(reqs):
             draft = r.draft
-            spans.append(len(draft) + 1)
-            rows.append(SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids))
-            for j in range(1, len(draft) + 1):
-                rows.append(SamplingRow(r.params, r.generator, r.prompt_ids, r.output_ids + draft[:j]))
-        constrained, at = [], 0
-        for r, m in zip(reqs, spans):
-            if r.matcher is not None:  # never drafted for (one row)
-                constrained.append((at, r.matcher))
+            m = len(draft) + 1
+            spans.append(m)
+            starts.append(at)
+            if r.generator is not None and draft:
+                one_by_one.add(i)
+            else:
+                for j in range(m):
+                    batched.append(at + j)
+                    rows.append(SamplingRow(r.params, r.generator, r.prompt_ids,
+                                            r.output_ids + draft[:j] if j else r.output_ids))
             at += m
+        constrained = [(starts[i], r.matcher) for i, r in enumerate(reqs) if r.matcher is not None]  # one row each
         if constrained:
             self._mask(ctx.logits, constrained, [r for r, m in zip(reqs, spans) for _ in range(m)])
-        out = self.sampler(ctx.logits, rows)
-        samples, i = [], 0
-        for r, m in zip(reqs, spans):
-            draft = r.draft
-            for j in range(m):
-                t = out.token_ids[i + j]
-                samples.append(SampledToken(r, t, out.logprobs[i + j]))
-                if j == m - 1 or t != draft[j]:
+        got = {}
+        if rows:
+            logits = ctx.logits if len(batched) == at else ctx.logits[torch.tensor(batched, device=ctx.logits.device)]
+            out = self.sampler(logits, rows)
+            got = {row: (t, lp) for row, t, lp in zip(batched, out.token_ids, out.logprobs)}
+        samples = []
+        for i, r in enumerate(reqs):
+            draft, first = r.draft, starts[i]
+            for j in range(spans[i]):
+                if i in one_by_one:
+                    seen = r.output_ids + draft[:j] if j else r.output_ids
+                    row = SamplingRow(r.params, r.generator, r.prompt_ids, seen)
+                    out = self.sampler(ctx.logits[first + j : first + j + 1], [row])
+                    t, lp = out.token_ids[0], out.logprobs[0]
+                else:
+                    t, lp = got[first + j]
+                samples.append(SampledToken(r, t, lp))
+                if j == spans[i] - 1 or t != draft[j]:
                     break
-            i += m
         ctx.samples = samples
 
     @staticmethod

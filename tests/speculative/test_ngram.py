@@ -42,11 +42,3 @@ def test_bad_parameters():
     with pytest.raises(ValueError, match="min_n <= max_n"):
         NgramProposer(None, max_n=1, min_n=2)
 
-
-def test_conformance_kit_passes_the_builtins():
-    from litellm_pipeline.demo import demo_checkpoint
-    from litellm_pipeline.testing import check_proposer
-
-    check_proposer("ngram", max_n=3)
-    check_proposer("tier", tier="fast")
-    check_proposer("draft", model=str(demo_checkpoint()))

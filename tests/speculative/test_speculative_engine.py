@@ -12,7 +12,7 @@ from litellm_pipeline.errors import ConfigError, InvalidRequestError
 from litellm_pipeline import registry
 from litellm_pipeline.registry import register
 
-NGRAM = ["speculative=ngram"]
+NGRAM = ["speculative=ngram", "speculative.disable_by_batch_size=null"]  # batches verify drafts too
 
 
 def _llm(path, *overrides, **kw):
@@ -86,6 +86,20 @@ def test_deterministic_engine_seeded_sampling_does_not_depend_on_the_batch(path)
     assert [o.token_ids for o in llm.generate(ps, sp)] == batched  # and reproducible
     g = greedy(24)
     assert [o.token_ids for o in llm.generate(ps, g)] == [o.token_ids for o in _llm(path).generate(ps, g)]
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_seeded_sampling_gives_the_tokens_it_gives_without_speculation(path, deterministic):
+    """One draw per output token, drafted or not: a seeded request's tokens do not depend on the drafts."""
+    extra = ["engine.deterministic=true"] if deterministic else []
+    sp = SamplingParams(temperature=0.9, top_k=50, max_tokens=30, seed=21, ignore_eos=True)
+    ps = _prompts()
+    ref = [o.token_ids for o in _llm(path, *extra).generate(ps, sp)]
+    spec = _llm(path, *NGRAM, *extra)
+    outs = spec.generate(ps, sp)
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+    assert [o.token_ids for o in outs] == ref
+    assert [spec.generate(p, sp)[0].token_ids for p in ps] == ref
 
 
 def test_per_request_k(path):
@@ -183,3 +197,32 @@ def test_cost_record_reports_the_speculative_work():
             + c.draft_tokens * tiers["fast"].price.output_1k) / 1000
     assert abs(c.speculation_monetary - want) < 1e-12
     assert c.monetary == tiers["max"].price.of(len(out.prompt_token_ids), len(out.token_ids))  # output only
+
+
+def test_a_failing_proposer_costs_its_drafts_not_the_requests(path):
+    calls = {"propose": 0, "fill": 0}
+    with registry.isolated():
+        @register("proposer", "broken")
+        class Broken:
+            """Raises in propose every other step and in fill always."""
+
+            def __init__(self, rt):
+                pass
+
+            def propose(self, reqs, ks):
+                calls["propose"] += 1
+                if calls["propose"] % 2:
+                    raise RuntimeError("propose broke")
+                return [[5] * k for k in ks]
+
+            def fill(self, reqs):
+                calls["fill"] += 1
+                raise RuntimeError("fill broke")
+
+        llm = _llm(path, "speculative.method=broken", "speculative.disable_by_batch_size=null")
+        sp = greedy(16)
+        outs = llm.generate(_prompts(), sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in _llm(path).generate(_prompts(), sp)]
+    assert all(o.finish_reason == "length" and o.num_draft_tokens == 0 for o in outs)
+    assert calls["fill"] > 0 and llm.engine.speculator.failures == calls["fill"] + (calls["propose"] + 1) // 2
+    assert_pool_empty(llm)

@@ -22,6 +22,7 @@ from litellm_pipeline.testing import (
     check_attention,
     check_budget_solver,
     check_constraint,
+    check_proposer,
     check_kv_policy,
     check_layer_ops,
     check_moe_dispatch,
@@ -45,6 +46,7 @@ BUILTINS = {
     "scheduler": ["fair", "fcfs", "priority"],
     "telemetry": ["memory", "none", "prometheus"],
     "constraint": ["choice", "grammar", "json_object", "json_schema", "regex"],
+    "proposer": ["draft", "ngram", "tier"],
     "stage": ["admit", "decode", "emit", "prefill", "route", "sample", "select_tier"],
 }
 
@@ -125,6 +127,14 @@ CONSTRAINT_CASES = {
     "choice": ([["yes", "no"], ["a \"quoted\" one", "back\\slash", "日本"]], [[], "yes", [1], [""]]),
     "grammar": (['root ::= "(" [0-9]+ ("+" [0-9]+)* ")"'], ["root ::= ", "root ::= undefined_rule", ""]),
 }
+
+
+@pytest.mark.parametrize("name", BUILTINS["proposer"])
+def test_builtin_proposer(name):
+    from litellm_pipeline.demo import demo_checkpoint
+
+    params = {"ngram": {"max_n": 3}, "tier": {"tier": "fast"}, "draft": {"model": str(demo_checkpoint())}}[name]
+    check_proposer(name, **params)
 
 
 @pytest.mark.parametrize("name", BUILTINS["constraint"])
