@@ -239,16 +239,16 @@ def test_fused_int8_paths_equal_op_by_op(dtype, hf_checkpoint):
 
         limit = model.ops.max_rows[getattr(torch, dtype)]
 
-        def spy(whole, calls):  # the whole-model call (from the step's metadata, or its tokens)
+        def spy(whole, calls, rows_arg):  # the whole-model call (from the step's metadata, or its tokens)
             def call(*args, **kw):
                 out = whole(*args, **kw)
-                if args[0].shape[0] <= limit:  # a prompt's rows past the kernel's limit take the general path
+                if args[rows_arg].shape[0] <= limit:  # a prompt's rows past the kernel's limit: the general path
                     calls.append(out is not None)
                 return out
             return call
 
-        model.fused_decode_layers = spy(model.fused_decode_layers, ran["layers"])
-        model.decode_tokens = spy(model.decode_tokens, ran["tokens"])
+        model.fused_decode_layers = spy(model.fused_decode_layers, ran["layers"], 1)  # (model, h, ...)
+        model.decode_tokens = spy(model.decode_tokens, ran["tokens"], 0)  # (input_ids, ...)
         prompts = PROMPTS[:6] if model.cfg.is_moe else [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
         # no more rows than the whole-model call takes on this CPU (its float router's kernel limit for the dtype)
         prompts = prompts[:limit]
