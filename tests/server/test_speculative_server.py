@@ -1,5 +1,6 @@
-"""A server with speculative decoding: the official client gets the text it gets without it (plain, streamed, ``n``,
-logprobs), ``num_speculative_tokens`` in the body turns it off or is refused when bad, and ``/metrics`` counts drafts."""
+"""A server with speculative decoding: the official client gets the text it gets without it (plain, streamed,
+``n``, logprobs), ``num_speculative_tokens`` in the body turns it off or is refused when bad, and ``/metrics``
+counts drafts."""
 
 from __future__ import annotations
 
