@@ -18,7 +18,7 @@ from litellm_pipeline.engine.runtime import allocate_kv_cache
 from litellm_pipeline.model.loader import load_model, load_model_config
 from litellm_pipeline.registry import register
 from litellm_pipeline.registry.types import AttentionMetadata, SeqAttention
-from litellm_pipeline.stages.decode import FUSED_ROWS_MAX
+from litellm_pipeline.stages.decode import FUSED_ROWS_MAX, row_table
 from litellm_pipeline.text.tokenizer import Tokenizer
 
 
@@ -157,8 +157,7 @@ class DraftProposer:
         m = self.model
         got = None
         if len(ids) <= FUSED_ROWS_MAX:  # every token a row of the fused decode kernels (see Decode._fused_rows)
-            lmax = max(p.shape[1] for p in parts)
-            table = torch.cat([torch.nn.functional.pad(p, (0, lmax - p.shape[1])) for p in parts])
+            table = row_table(parts)
             got = m.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), self.kv, None,
                                   logits=len(feeds) == len(ids))
         if got is not None:

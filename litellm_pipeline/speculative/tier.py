@@ -61,17 +61,13 @@ class TierProposer:
             slots = table if whole else table[torch.tensor(live)]
             lens = torch.tensor([starts[i] + j + 1 for i in live])
             out = self._forward(torch.tensor([tokens[i] for i in live]), slots, lens, len(live))
-            ended = []
             for i, t in zip(live, out):
                 draft = reqs[i].draft
                 if t in stops[i]:
-                    del draft[j:]
-                    ended.append(i)
+                    del draft[j:]  # shorter now: the next position leaves it out
                     continue
                 draft[j] = t
                 tokens[i] = t
-            if ended:
-                live = [i for i in live if i not in ended]
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, lens: torch.Tensor, b: int) -> list[int]:
         rt = self.rt

@@ -131,9 +131,10 @@ class Decode(Stage):
 
     def _fused_rows(self, ctx: StepContext, num_chunks: int) -> bool:
         """A step with multi-token entries (speculative drafts beside decodes, or a prompt chunk alone) through the
-        model's fused decode where its kernels take that many rows: each token is a row of its own that attends its sequence's context up
-        to its position (the kernel writes every row's K/V before any row attends when rows of one sequence follow
-        each other), so a short chunk costs what a decode step of that many rows does, not a framework forward.
+        model's fused decode where its kernels take that many rows: each token is a row of its own that attends its
+        sequence's context up to its position (the kernel writes every row's K/V before any row attends when rows of
+        one sequence follow each other), so a short chunk costs what a decode step of that many rows does, not a
+        framework forward.
         False where it does not apply (then the general path). Not in batch-invariant mode: which path an entry
         takes would depend on what shares its step."""
         if self.batch_invariant:
@@ -162,9 +163,7 @@ class Decode(Stage):
             parts.append(kv.decode_slots)
             rows += range(at, at + len(decodes))
             reqs += [r for r, _ in decodes]
-        lmax = max(p.shape[1] for p in parts)
-        table = torch.cat([p if p.shape[1] == lmax else torch.nn.functional.pad(p, (0, lmax - p.shape[1]))
-                           for p in parts]) if len(parts) > 1 else parts[0].contiguous()
+        table = row_table(parts)
         every = len(rows) == len(ids)
         got = rt.model.decode_tokens(torch.tensor(ids), table, torch.tensor(lens), rt.kv_caches, ctx.route_plan,
                                      logits=every)
@@ -176,6 +175,15 @@ class Decode(Stage):
         else:
             ctx.logits = rt.model.compute_logits(got[0][torch.tensor(rows)]) if rows else None
         return True
+
+
+def row_table(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``[rows, Lmax]`` slot table of the fused kernels from blocks of rows of any width (padded with slot 0,
+    never read past each row's context length)."""
+    if len(parts) == 1:
+        return parts[0].contiguous()
+    lmax = max(p.shape[1] for p in parts)
+    return torch.cat([p if p.shape[1] == lmax else torch.nn.functional.pad(p, (0, lmax - p.shape[1])) for p in parts])
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
