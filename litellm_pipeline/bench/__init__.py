@@ -375,7 +375,7 @@ def _measure_speculative(s: BenchSettings, base: dict, out: Path, models: list[t
         speculative.measure_checkpoint(
             lambda p, extra: build_engine(engine_config(base, p, "float32", {**s.engine, **extra})), paths[name],
             mcfg, name, s.model_seed, s.speculative_batches, s.speculative_requests, s.speculative_prompt_len,
-            s.speculative_output_len, s.speculative_k, list(s.speculative_methods))
+            s.speculative_output_len, s.speculative_k, list(s.speculative_methods), s.speculative_rounds)
         for name, mcfg in models]
     png = speculative.plot(got, out.with_name(out.stem + "-speculative.png"))
     got["plot"] = str(png) if png else None

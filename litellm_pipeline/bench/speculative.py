@@ -151,10 +151,11 @@ def _draft_config(cfg: dict) -> dict:
 
 def measure_checkpoint(build: Callable[[Path, dict], Any], path: Path, cfg: dict, name: str, seed: int,
                        batches: list[int], requests: int, prompt_len: int, output_len: int, k: int,
-                       only: list[str] | None = None) -> dict:
+                       only: list[str] | None = None, rounds: int = 1) -> dict:
     """A bench checkpoint (random weights): none, ngram, draft (a 2-layer model of its vocabulary, random too) and,
     for a MoE model, tier, on random prompts with ``ignore_eos``; ``same`` says whether each method generated
-    none's tokens (greedy over random weights can meet near-ties that the chunked verification rounds otherwise)."""
+    none's tokens (greedy over random weights can meet near-ties that the chunked verification rounds otherwise).
+    ``rounds`` runs of each, in alternating order; the median."""
     import random
 
     from litellm_pipeline.bench.checkpoints import cache_root, write_random_checkpoint
@@ -177,17 +178,23 @@ def measure_checkpoint(build: Callable[[Path, dict], Any], path: Path, cfg: dict
     vocab = cfg["vocab_size"]
     prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    rows = []
-    for m, overrides in methods.items():
-        engine = build(path, {"cache.enable_prefix_caching": False, **overrides})
+    engines = {m: build(path, {"cache.enable_prefix_caching": False, **overrides}) for m, overrides in methods.items()}
+    for engine in engines.values():
         _run(engine, prompts[:1], 1, sp)  # warm
-        for batch in batches:
-            got = _run(engine, prompts, batch, sp)
-            kept = {x: got[x] for x in ("tokens", "wall_s", "drafted", "accepted")}
-            rows.append({"method": m, "batch": batch, **kept,
-                         "tok_s": got["tokens"] / got["wall_s"], "outputs": got["outputs"]})
-        del engine
-        gc.collect()
+    rows = []
+    for batch in batches:
+        got: dict[str, list[dict]] = {m: [] for m in engines}
+        for r in range(rounds):  # alternating order, the median of each: a shared machine drifts between runs
+            for m in (engines if r % 2 == 0 else list(reversed(list(engines)))):
+                got[m].append(_run(engines[m], prompts, batch, sp))
+        for m, runs in got.items():
+            first = runs[0]
+            rows.append({"method": m, "batch": batch, **{x: first[x] for x in ("tokens", "drafted", "accepted")},
+                         "wall_s": statistics.median(x["wall_s"] for x in runs),
+                         "tok_s": statistics.median(x["tokens"] / x["wall_s"] for x in runs),
+                         "outputs": first["outputs"]})
+    del engines
+    gc.collect()
     for r in rows:
         base = next(b for b in rows if b["method"] == "none" and b["batch"] == r["batch"])
         r["speedup"] = r["tok_s"] / base["tok_s"]

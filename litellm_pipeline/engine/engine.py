@@ -198,7 +198,11 @@ class Engine:
             if self.speculator is not None:  # drafts first: the scheduler grows their KV (or drops them)
                 self.speculator.propose(self.rt.scheduler.load().running)
             schedule = self.rt.scheduler.schedule()
-            outputs = self._execute(schedule) if schedule else self._unblock()
+            if not schedule:
+                return self._unblock()
+            outputs = self._execute(schedule)
+            if self.speculator is not None:  # what the step cost, for its choice of drafts
+                self.speculator.observe(len(schedule), time.perf_counter() - t0)
             self._report(schedule, t0)
             return outputs
 

@@ -383,10 +383,10 @@ class Proposer(Protocol):
     correctness. Optional: ``fill(requests)``, for a proposer that drafts with the target's KV cache (``tier``):
     called after the scheduler grew each request's KV blocks for its draft, it overwrites the tokens of every
     ``request.draft`` and may shorten it (never lengthen it); the K/V it writes at the drafted positions are
-    overwritten by verification. ``release(request)``: the request ended (free what is kept for it). ``costly``
-    (class attribute, default False): drafting runs a model, so a new request starts drafting late while the
-    engine's recent acceptance is low. ``draft_price`` (a ``Price``, default None): what a drafted token costs at
-    list price, for ``CostRecord.speculation_monetary``.
+    overwritten by verification. ``release(request)``: the request ended (free what is kept for it). The time
+    ``propose`` and ``fill`` take is measured: the engine's adaptive drafting weighs it, with the verified rows,
+    against the tokens a draft is expected to add. ``draft_price`` (a ``Price``, default None): what a drafted
+    token costs at list price, for ``CostRecord.speculation_monetary``.
     """
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Sequence[Sequence[int]]:

@@ -34,7 +34,6 @@ class _Seq:
 class DraftProposer:
     """``model``: the draft checkpoint (``speculative.model``); ``num_blocks``: its KV blocks (None: the engine's)."""
 
-    costly = True  # drafting runs a model: start late while drafts keep failing (see Speculator)
 
     def __init__(self, rt, model: str | None = None, num_blocks: int | None = None):
         if model is None:

@@ -20,7 +20,6 @@ class TierProposer:
     """``tier``: the configured tier that drafts (default ``fast``). A request whose own tier costs no more than it
     does not speculate (the draft would cost what verification does)."""
 
-    costly = True  # drafting runs a model: start late while drafts keep failing (see Speculator)
 
     def __init__(self, rt, tier: str = "fast", router: str = "tierset"):
         if not rt.model_cfg.is_moe:

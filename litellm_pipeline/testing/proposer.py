@@ -37,7 +37,8 @@ def check_proposer(impl: str | type, **params: Any) -> None:
             ("tiny pool, swap", ["cache.block_size=4", "cache.num_blocks=12", "engine.preemption=swap",
                                  "cache.warm_blocks=64"]),
         ]:
-            llm = build_llm([f"speculative.method={reg_name}", "speculative.disable_by_batch_size=null", *extra,
+            llm = build_llm([f"speculative.method={reg_name}", "speculative.disable_by_batch_size=null",
+                             "speculative.adaptive=false", *extra,
                              *overrides], tier="max")
             opened = _watch(llm.engine.speculator, name, llm.engine.rt.model_cfg.vocab_size)
             outs = llm.generate(PROMPTS, greedy)

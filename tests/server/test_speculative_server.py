@@ -16,7 +16,7 @@ PROMPTS = [ex.prompt for ex in demo_prompts(0)]
 
 @pytest.fixture(scope="module")
 def spec_server():
-    live = start_server(["speculative=tier", "speculative.disable_by_batch_size=null",
+    live = start_server(["speculative=tier", "speculative.disable_by_batch_size=null", "speculative.adaptive=false",
                          "pipeline.stages.select_tier.params.tier=max"], max_n=4)
     yield live
     live.stop()

@@ -39,7 +39,8 @@ def test_greedy_equal_for_every_proposer_and_family(arch, hf_checkpoint):
     sp = greedy(24)
     ref = [o.token_ids for o in _llm(path, **kw).generate(_prompts(), sp)]
     for method, extra in _proposers(arch, hf_checkpoint):
-        llm = _llm(path, f"speculative={method}", "speculative.disable_by_batch_size=null", *extra, **kw)
+        llm = _llm(path, f"speculative={method}", "speculative.disable_by_batch_size=null",
+                   "speculative.adaptive=false", *extra, **kw)
         batched = llm.generate(_prompts(), sp)
         assert [o.token_ids for o in batched] == ref, (arch, method)
         alone = [llm.generate(p, sp)[0] for p in _prompts()]
@@ -55,7 +56,7 @@ def test_greedy_equal_for_every_proposer_and_family(arch, hf_checkpoint):
 
 def test_draft_of_itself_accepts_everything(hf_checkpoint):
     path = hf_checkpoint("qwen3")
-    llm = _llm(path, "speculative=draft", f"speculative.model={path}", "speculative.k=3")
+    llm = _llm(path, "speculative=draft", f"speculative.model={path}", "speculative.k=3", "speculative.adaptive=false")
     out = llm.generate(_prompts()[0], greedy(20))[0]
     assert out.num_draft_tokens > 0 and out.num_accepted_tokens == out.num_draft_tokens
     # 20 tokens: the first from the prompt's step, then 4 steps of 3 drafted + 1 (17), then a draft of 2 that
@@ -68,7 +69,8 @@ def test_demo_model_at_every_tier(tier):
     sp = SamplingParams(temperature=0, max_tokens=20)
     ref = [o.token_ids for o in LLM(tier=tier).generate(DEMO_PROMPTS, sp)]
     for method, extra in [("ngram", []), ("tier", []), ("draft", [f"speculative.model={demo_checkpoint()}"])]:
-        llm = LLM(tier=tier, overrides=[f"speculative={method}", "speculative.disable_by_batch_size=null", *extra])
+        llm = LLM(tier=tier, overrides=[f"speculative={method}", "speculative.disable_by_batch_size=null",
+                                        "speculative.adaptive=false", *extra])
         outs = llm.generate(DEMO_PROMPTS, sp)
         assert [o.token_ids for o in outs] == ref, (tier, method)
         if method == "tier" and tier != "fast":
