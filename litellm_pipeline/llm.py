@@ -67,6 +67,16 @@ class LLM:
         self._final_only: set[str] = set()
         self._pump_lock = threading.RLock()
 
+    def close(self) -> None:
+        """Stop what the engine started outside this process (a parallel engine's workers); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | RequestSpec | Sequence[Prompt | RequestSpec],

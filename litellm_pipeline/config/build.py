@@ -34,7 +34,9 @@ from litellm_pipeline.engine.tenants import TenantLedger, TenantPolicy
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.expert_offload import ExpertOffload
+from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.model.loader import load_model, load_model_config
+from litellm_pipeline.parallel.workers import Member, start_driver, threads_per_rank
 from litellm_pipeline.speculative import SpeculativeSettings, Speculator
 from litellm_pipeline.telemetry import build_bus
 from litellm_pipeline.text.tokenizer import Tokenizer
@@ -212,7 +214,9 @@ def _expert_device(moe, mc: ModelConfig, device: torch.device) -> torch.device |
     return torch.device("cpu")
 
 
-def build_from_app(app: AppConfig) -> Engine:
+def build_from_app(app: AppConfig, member: Member | None = None) -> Engine:
+    """The engine of ``app``. Under tensor / expert parallelism (``parallel``) this process is rank 0 (it starts or
+    joins the workers) unless ``member`` says which worker it is; a worker's engine only serves its model shard."""
     # before the first lookup: which plugins may load is part of this config
     registry.set_plugin_filter(app.plugins.allow, app.plugins.deny)
     classes = stage_classes(app.pipeline)
@@ -225,6 +229,36 @@ def build_from_app(app: AppConfig) -> Engine:
         torch.set_num_threads(app.device.threads)
     path = app.model.path or demo_checkpoint()
     mc = load_model_config(path)
+    if member is None and max(app.parallel.tensor, app.parallel.expert) > 1:
+        check_parallel(app)
+        member = start_driver(app, mc, device)
+    try:
+        return _build(app, mc, path, device, dtype, classes, sched_cls, policy_cls, sinks, member)
+    except BaseException:
+        if member is not None and member.driver is not None:
+            member.driver.close()
+        raise
+
+
+def check_parallel(app: AppConfig) -> None:
+    """What tensor / expert parallelism does not combine with (said before any worker starts)."""
+    if app.device.compile:
+        raise ConfigError("device.compile: not with parallel.tensor / parallel.expert > 1 (the forward holds "
+                          "collectives)")
+    if app.moe.hot_experts is not None:
+        raise ConfigError("moe.hot_experts: expert offload is not supported with parallel.tensor / parallel.expert "
+                          "> 1 (spread the experts with parallel.expert instead)")
+
+
+def _build(app: AppConfig, mc: ModelConfig, path, device: torch.device, dtype: torch.dtype, classes, sched_cls,
+           policy_cls, sinks, member: Member | None) -> Engine:
+    shard = member.shard if member is not None else None
+    worker = member is not None and member.driver is None
+    if member is not None and app.device.type == "cpu" and not app.device.threads:
+        torch.set_num_threads(threads_per_rank(app, int(os.environ.get("LOCAL_WORLD_SIZE", member.comm.world))))
+    if worker:
+        sinks = []  # the driver alone counts and reports
+    kv_heads = shard.local_kv_heads(mc) if shard is not None else None
     tiers = resolve_tiers(app.tiers, mc)
     _lookup("budget_solver", app.budget.solver, "budget.solver")
     cost_model = build_cost_model(app, mc, tiers)
@@ -232,6 +266,7 @@ def build_from_app(app: AppConfig) -> Engine:
     if tokenizer.vocab_size > mc.vocab_size:
         raise ConfigError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the model only {mc.vocab_size}")
     max_len = resolve_max_model_len(mc, app.model.max_model_len)
+    check_weights_fit(app, mc, dtype, shard)
     model = load_model(
         path,
         dtype=dtype,
@@ -240,6 +275,8 @@ def build_from_app(app: AppConfig) -> Engine:
         attn_fn=registry.get("attention", "sdpa"),
         dispatch_fn=registry.get("moe_dispatch", "packed"),
         expert_device=_expert_device(app.moe, mc, device),
+        shard=shard,
+        comm=member.comm if member is not None else None,
     )
     model.rotary.reserve(max_len)
     if app.moe.hot_experts is not None:
@@ -251,13 +288,13 @@ def build_from_app(app: AppConfig) -> Engine:
     num_blocks = app.cache.num_blocks
     if num_blocks is None:
         wanted = app.engine.max_num_seqs * math.ceil(max_len / bs)
-        affordable = int(app.cache.memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype))
+        affordable = int(app.cache.memory_gb * 2**30 // kv_bytes_per_block(mc, bs, dtype, kv_heads))
         num_blocks = max(1, min(wanted, affordable))
     try:
         bus = build_bus([(name, app.telemetry.params.get(name, {})) for name, _ in sinks])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"telemetry.params: {exc}") from exc
-    block_bytes = kv_bytes_per_block(mc, bs, dtype)
+    block_bytes = kv_bytes_per_block(mc, bs, dtype, kv_heads)
     warm_blocks = app.cache.warm_blocks
     if warm_blocks is None:
         warm_blocks = int(app.cache.warm_memory_gb * 2**30 // block_bytes)
@@ -265,10 +302,11 @@ def build_from_app(app: AppConfig) -> Engine:
     check_fits("cache.warm_blocks", warm_blocks, block_bytes, torch.device("cpu"))
     pool = BlockPool(num_blocks, policy=policy_cls())
     # one spare block past the pool's: the scratch slots padding rows of a CUDA-graph decode step write to
-    hot_kv = allocate_kv_cache(mc, num_blocks + 1, bs, dtype, device)
+    hot_kv = allocate_kv_cache(mc, num_blocks + 1, bs, dtype, device, kv_heads=kv_heads)
     warm = None
     if warm_blocks > 0:
-        warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda")
+        warm_kv = allocate_kv_cache(mc, warm_blocks, bs, dtype, torch.device("cpu"), pin=device.type == "cuda",
+                                    kv_heads=kv_heads)
         warm = WarmPool(BlockPool(warm_blocks, policy=policy_cls()), warm_kv, bs)
     kv = KVCacheManager(
         pool,
@@ -307,7 +345,9 @@ def build_from_app(app: AppConfig) -> Engine:
         budget=budget_policy(app),
         deterministic=app.engine.deterministic,
         tenants=TenantLedger(policies) if policies else None,
-        cuda_graphs=app.device.cuda_graphs and device.type == "cuda",
+        parallel=member,
+        # captured graphs would replay without the workers: a parallel engine's steps run eagerly
+        cuda_graphs=app.device.cuda_graphs and device.type == "cuda" and member is None,
         huge_pages=app.device.huge_pages and device.type == "cpu",
     )
     rt.constraints = ConstraintCompiler(
@@ -327,10 +367,33 @@ def build_from_app(app: AppConfig) -> Engine:
         reads = type(after).inputs + getattr(type(after), "optional_inputs", ())
         if "logits_argmax" in type(stage).outputs and "logits_argmax" in reads:
             stage.argmax = True
+    if worker:
+        return Engine(rt, request_stages, step_stages)
     rt.speculator = build_speculator(app, rt)  # after the decode stage bound the model's layers
     if app.device.compile:  # after the stages bound their implementations into the model
         model.forward = torch.compile(model.forward, dynamic=True)
+    if member is not None:  # the driver: every model call and KV copy goes to the workers too
+        driver = member.driver
+        driver.hot_kv, driver.tensor_parallel = hot_kv, shard.tensor > 1
+        model.mirror = driver
+        if warm is not None:
+            warm.mirror = driver.copy_blocks
+        driver.wait_ready()
     return Engine(rt, request_stages, step_stages)
+
+
+def check_weights_fit(app: AppConfig, mc: ModelConfig, dtype: torch.dtype, shard) -> None:
+    """``device.memory_gb``: the most the model's weights may take on one rank (this rank's shard of them)."""
+    limit = app.device.memory_gb
+    if limit is None:
+        return
+    with torch.device("meta"):
+        meta = CausalLM(mc, registry.get("attention", "sdpa"), registry.get("moe_dispatch", "packed"), shard=shard)
+    need = sum(p.numel() for p in meta.parameters()) * torch.finfo(dtype).bits // 8
+    if need > limit * 2**30:
+        ways = f" ({shard.world} ranks)" if shard is not None and shard.parallel else ""
+        raise ConfigError(f"device.memory_gb={limit:g}: the model's weights take {need / 2**30:.3g} GiB per rank"
+                          f"{ways}; raise it or split the model wider (parallel.tensor / parallel.expert)")
 
 
 def build_speculator(app: AppConfig, rt: Runtime) -> Speculator | None:

@@ -40,6 +40,8 @@ class DeviceSection(_Section):
     huge_pages: bool = True
     # opt-in: the model's forward through torch.compile (dynamic shapes; the first steps of each shape compile)
     compile: bool = False
+    # the most the model's weights may take on one rank, GiB (null: no limit); past it the build says to split wider
+    memory_gb: float | None = Field(default=None, gt=0)
 
 
 class StageSection(_Section):
@@ -175,6 +177,17 @@ class SpeculativeSection(_Section):
     params: dict[str, Any] = {}
 
 
+class ParallelSection(_Section):
+    # conf/parallel: tensor / expert parallelism over torch.distributed (litellm_pipeline/parallel)
+    tensor: int = Field(default=1, ge=1, le=256)
+    expert: int = Field(default=1, ge=1, le=256)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # auto: nccl on CUDA, gloo on CPU
+    master_addr: str = Field(default="127.0.0.1", min_length=1)  # the workers started here: the driver's address
+    master_port: int | None = Field(default=None, ge=1, le=65535)  # null: a free port
+    timeout_s: float = Field(default=120.0, gt=0)  # a rank that does not answer a collective this long is hung
+    start_timeout_s: float = Field(default=600.0, gt=0)  # the workers' start (loading their shards)
+
+
 class MoESection(_Section):
     # expert offload: experts per MoE layer kept in device memory (null: all); the rest stay in host memory
     hot_experts: int | None = Field(default=None, ge=1)
@@ -299,6 +312,7 @@ class AppConfig(_Section):
     plugins: PluginsSection = PluginsSection()
     structured_output: StructuredOutputSection = StructuredOutputSection()
     speculative: SpeculativeSection = SpeculativeSection()
+    parallel: ParallelSection = ParallelSection()
     # conf/tenants: name -> tenant; empty = the open single-tenant mode (no API key, no quota)
     tenants: dict[str, TenantSection] = {}
     # task-specific sections: validated by the task that reads them

@@ -81,6 +81,13 @@ class Engine:
     def tokenizer(self):
         return self.rt.tokenizer
 
+    def close(self) -> None:
+        """Give back what outlives the engine object: a parallel engine's worker processes (stopped, or killed
+        where they do not stop). Idempotent; an engine of one process holds nothing such."""
+        member = self.rt.parallel
+        if member is not None and member.driver is not None:
+            member.driver.close()
+
     @contextmanager
     def _locked(self) -> Iterator[None]:
         """The engine lock for a call that is not a step: the next step waits until this thread holds it."""

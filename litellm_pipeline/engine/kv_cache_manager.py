@@ -67,6 +67,14 @@ class WarmPool:
         self.pool = pool
         self.kv = kv
         self.block_size = block_size
+        # a parallel engine's driver: each copy is sent to the workers first, ``(to_warm, src_ids, dst_ids)``
+        self.mirror = None
+
+    def _copy(self, hot_kv: list, to_warm: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+        if self.mirror is not None:
+            self.mirror(to_warm, src_ids, dst_ids)
+        src, dst = (hot_kv, self.kv) if to_warm else (self.kv, hot_kv)
+        copy_blocks(src, src_ids, dst, dst_ids, self.block_size)
 
     @property
     def num_held(self) -> int:
@@ -81,7 +89,7 @@ class WarmPool:
         if self.pool.lookup(h) is not None or not self.pool.can_allocate(1):
             return False
         (slot,) = self.pool.allocate(1)
-        copy_blocks(hot_kv, [hot_block], self.kv, [slot], self.block_size)
+        self._copy(hot_kv, True, [hot_block], [slot])
         self.pool.register(slot, h)
         self.pool.free([slot])  # unreferenced and hashed: cached, evictable
         return True
@@ -94,7 +102,7 @@ class WarmPool:
 
     def promote(self, slot: int, hot_kv: list, hot_block: int) -> None:
         """Copy a held warm slot into a hot block; the warm copy is dropped (the hot one now caches it)."""
-        copy_blocks(self.kv, [slot], hot_kv, [hot_block], self.block_size)
+        self._copy(hot_kv, False, [slot], [hot_block])
         self.pool.free([slot])
         self.pool.discard(slot)
 
@@ -102,11 +110,11 @@ class WarmPool:
         if not self.pool.can_allocate(len(blocks)):
             return None
         slots = self.pool.allocate(len(blocks))
-        copy_blocks(hot_kv, blocks, self.kv, slots, self.block_size)
+        self._copy(hot_kv, True, blocks, slots)
         return slots
 
     def swap_in(self, hot_kv: list, slots: list[int], blocks: list[int]) -> None:
-        copy_blocks(self.kv, slots, hot_kv, blocks, self.block_size)
+        self._copy(hot_kv, False, slots, blocks)
         self.pool.free(slots)
 
     def drop(self, slots: list[int]) -> None:

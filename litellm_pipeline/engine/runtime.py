@@ -42,16 +42,19 @@ class Runtime:
     huge_pages: bool = False  # device.huge_pages on a CPU device: the decode stage packs the weights into huge pages
     constraints: ConstraintCompiler | None = None  # structured output (None: requests with a constraint are refused)
     speculator: object | None = None  # speculative decoding (speculative.Speculator; None: off)
+    parallel: object | None = None  # tensor / expert parallel: this rank's parallel.workers.Member (None: one process)
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, pin: bool = False
+    cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, pin: bool = False,
+    kv_heads: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One flat K and one flat V tensor per layer: ``[num_blocks * block_size, kv_heads, head_dim]``.
 
     ``pin``: page-locked host memory (the warm tier of a CUDA engine), so copies to the device are fast.
+    ``kv_heads``: the heads this rank holds under tensor parallelism (default: the model's).
     """
-    shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (num_blocks * block_size, kv_heads or cfg.num_kv_heads, cfg.head_dim)
 
     def alloc() -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
@@ -59,5 +62,6 @@ def allocate_kv_cache(
     return [(alloc(), alloc()) for _ in range(cfg.num_layers)]
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_heads: int | None = None) -> int:
+    heads = kv_heads or cfg.num_kv_heads
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.finfo(dtype).bits // 8

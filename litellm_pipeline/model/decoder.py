@@ -22,6 +22,8 @@ from litellm_pipeline.model.layers import (
 from litellm_pipeline.model.moe import fused_dispatch
 from litellm_pipeline.model.rope import RotaryEmbedding
 from litellm_pipeline.model.weight_arena import pack_weights
+from litellm_pipeline.parallel.comm import Collectives
+from litellm_pipeline.parallel.shard import Shard
 from litellm_pipeline.registry.types import AttentionMetadata, RoutePlan
 
 
@@ -29,17 +31,25 @@ class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head, over a flat batch of tokens and a paged KV cache."""
 
     def __init__(self, cfg: ModelConfig, attn_fn: Callable, dispatch_fn: Callable,
-                 expert_device: str | torch.device | None = None):
+                 expert_device: str | torch.device | None = None, shard: Shard | None = None,
+                 comm: Collectives | None = None):
+        """``shard``: this rank's part of the model under tensor / expert parallelism (``parallel/shard.py``), its
+        collectives run over ``comm``; None: the whole model."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.shard = shard = shard or Shard()
+        self.comm = comm
+        self.vocab_range = shard.vocab(cfg.vocab_size)
+        self.embed_tokens = _param(self.vocab_range[1] - self.vocab_range[0], cfg.hidden_size)
         qk_eps = cfg.rms_norm_eps if cfg.qk_norm else None
+        t = shard.tensor
+        reduce = comm.all_reduce if comm is not None else None
         layers = []
         for i in range(cfg.num_layers):
             attn = Attention(
                 cfg.hidden_size,
-                cfg.num_heads,
-                cfg.num_kv_heads,
+                cfg.num_heads // t,
+                shard.local_kv_heads(cfg),
                 cfg.head_dim,
                 cfg.attention_bias,
                 qk_eps,
@@ -47,28 +57,38 @@ class CausalLM(nn.Module):
                 attn_fn,
                 o_bias=cfg.o_bias,
             )
+            if t > 1:
+                attn.reduce = reduce
             if cfg.is_moe and cfg.moe_layers[i]:
                 mlp: nn.Module = SparseMoE(
                     cfg.hidden_size,
-                    cfg.moe_intermediate_size,
+                    cfg.moe_intermediate_size // (1 if shard.expert > 1 else t),
                     cfg.num_experts,
                     cfg.experts_per_token,
                     cfg.norm_topk_prob,
-                    cfg.shared_expert_intermediate_size,
+                    cfg.shared_expert_intermediate_size // t,
                     dispatch_fn,
                     expert_device,
+                    experts=shard.experts(cfg),
                 )
+                if shard.parallel:
+                    mlp.reduce = reduce  # one all-reduce for the routed and the shared experts together
+                    mlp.runs_shared = t > 1 or shard.rank == 0
             else:
-                mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+                mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size // t)
+                if t > 1:
+                    mlp.reduce = reduce
             layers.append(DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps))
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(*self.embed_tokens.shape)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.dynamic_rope = cfg.rope.get("rope_type") == "dynamic"
         self.ops = REFERENCE_OPS
         self.fused_decode_layers: Callable | None = None  # the ops' decode_layers, when bound (see bind)
         self.decode_weights: dict | None = None
+        # on the driver of a parallel engine: sends each call to the workers' shards first (parallel/workers.py)
+        self.mirror = None
 
     def bind(self, attn_fn: Callable, dispatch_fn: Callable, ops: object | None = None, huge_pages: bool = False) -> None:
         """Swap the attention / MoE dispatch / layer ops implementations of every layer (once, at build time).
@@ -98,6 +118,10 @@ class CausalLM(nn.Module):
             layer.fused_decode = fused
         self.fused_decode_layers = None
         self.decode_weights = None
+        if self.shard.parallel:  # the fused kernels run a layer's halves without the all-reduces between them
+            fused = None
+            for layer in self.layers:
+                layer.fused_decode = None
         whole = getattr(self.ops, "decode_layers", None) if fused is not None else None
         if whole is not None and self._uniform_layers(dispatch_fn):
             self.fused_decode_layers = whole
@@ -155,7 +179,9 @@ class CausalLM(nn.Module):
         """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`), or with
         ``logits`` the float32 logits of every row [T, V] (``compute_logits`` of them: a decode step whose rows
         all sample, which the fused decode path then runs through the LM head without leaving its kernels)."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        if self.mirror is not None:
+            self.mirror.forward(input_ids, meta, kv_caches, plan, rope_seq_lens, logits)
+        h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
         layered = isinstance(plan, tuple)  # one plan per layer (per-layer TierSets in the batch)
         if self.fused_decode_layers is not None and meta.decode_only:
@@ -164,7 +190,7 @@ class CausalLM(nn.Module):
                 return out
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             h = layer(h, cos, sin, meta, k_cache, v_cache, plan[i] if layered else plan)
-        return self.compute_logits(h) if logits else h
+        return self._logits(h) if logits else h
 
     def decode_tokens(self, input_ids: torch.Tensor, kv_slots: torch.Tensor, ctx_lens: torch.Tensor,
                       kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -184,8 +210,27 @@ class CausalLM(nn.Module):
             return None
         return take(self, input_ids, self.embed_tokens, tables, kv_slots, ctx_lens, kv_caches, plan, logits, argmax)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings; split by vocabulary under tensor parallelism (each rank looks up the ids in its
+        rows, zeros elsewhere, and one all-reduce adds them up: exact)."""
+        if self.shard.tensor == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        first, last = self.vocab_range
+        own = (input_ids >= first) & (input_ids < last)
+        h = F.embedding(torch.where(own, input_ids - first, 0), self.embed_tokens)
+        return self.comm.all_reduce(h * own[:, None].to(h.dtype))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head on the rows that need a next token; float32 logits [R, V]."""
+        """Final norm and LM head on the rows that need a next token; float32 logits [R, V] (under tensor
+        parallelism every rank computes its vocabulary slice and an all-gather joins them)."""
+        if self.mirror is not None:
+            self.mirror.compute_logits(hidden)
+        return self._logits(hidden)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return self.ops.linear(self.norm(hidden), w).float()
+        logits = self.ops.linear(self.norm(hidden), w).float()
+        if self.shard.tensor == 1:
+            return logits
+        return self.comm.gather_vocab(logits, self.shard.vocab_chunk(self.cfg.vocab_size), self.cfg.vocab_size)

@@ -42,10 +42,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = _param(2 * intermediate, hidden)
         self.down_proj = _param(hidden, intermediate)
         self.ops = REFERENCE_OPS
+        self.reduce: Callable | None = None  # tensor parallel: the all-reduce of the row-parallel down projection
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = self.ops
-        return ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        y = ops.linear(ops.silu_mul(ops.linear(x, self.gate_up_proj)), self.down_proj)
+        return y if self.reduce is None else self.reduce(y)
 
 
 class Attention(nn.Module):
@@ -74,6 +76,7 @@ class Attention(nn.Module):
         self.scale = head_dim**-0.5
         self.attn_fn = attn_fn
         self.ops = REFERENCE_OPS
+        self.reduce: Callable | None = None  # tensor parallel: the all-reduce of the row-parallel o projection
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         t = x.shape[0]
@@ -87,7 +90,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = ops.rotary(q, k, cos, sin)
         o = self.attn_fn(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return ops.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        if self.reduce is None:
+            return ops.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        out = self.reduce(ops.linear(o.reshape(t, self.q_size), self.o_proj))  # each rank's heads' partial sum
+        return out if self.o_bias is None else out + self.o_bias
 
 
 class SparseMoE(nn.Module):
@@ -103,12 +109,16 @@ class SparseMoE(nn.Module):
         shared_intermediate: int,
         dispatch_fn: Callable,
         expert_device: str | torch.device | None = None,
+        experts: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.gate = _param(num_experts, hidden)
+        # expert parallel: this rank holds experts [first, last) of the router's num_experts
+        self.experts = experts if experts is not None and experts != (0, num_experts) else None
+        local = num_experts if self.experts is None else self.experts[1] - self.experts[0]
         with torch.device(expert_device) if expert_device is not None else contextlib.nullcontext():
-            self.w13 = _param(num_experts, 2 * intermediate, hidden)
-            self.w2 = _param(num_experts, hidden, intermediate)
+            self.w13 = _param(local, 2 * intermediate, hidden)
+            self.w2 = _param(local, hidden, intermediate)
         self.top_k, self.normalize = top_k, normalize
         self.shared_expert = GatedMLP(hidden, shared_intermediate) if shared_intermediate else None
         self.shared_expert_gate = _param(1, hidden) if shared_intermediate else None
@@ -118,10 +128,19 @@ class SparseMoE(nn.Module):
         # block, whose experts are predicted and prefetched while this one runs
         self.offload = None
         self.next_moe: SparseMoE | None = None
+        # tensor or expert parallel: the all-reduce of this rank's share of the block's output
+        self.reduce: Callable | None = None
+        # expert parallel alone: the shared expert is whole on every rank, and one of them adds it
+        self.runs_shared = True
 
     def forward(self, x: torch.Tensor, plan: RoutePlan | None) -> torch.Tensor:
         ops = self.ops
         idx, w = ops.route(x, self.gate, self.top_k, self.normalize, plan)
+        if self.experts is not None:  # the slots routed to this rank's experts, numbered locally; the others unused
+            first, last = self.experts
+            own = (idx >= first) & (idx < last)
+            idx = torch.where(own, idx - first, -1)
+            w = torch.where(own, w, 0.0)
         if self.offload is None:
             out = self.dispatch_fn(x, idx, w, self.w13, self.w2, ops)
         else:
@@ -129,11 +148,11 @@ class SparseMoE(nn.Module):
             if nxt is not None:  # start the next layer's copies before this layer's experts run
                 nxt.offload.prefetch(predict_experts(x, nxt.gate, idx.shape[1], ops.linear))
             out = offloaded_experts(self.offload, x, idx, w, ops)
-        if self.shared_expert is not None:
+        if self.shared_expert is not None and self.runs_shared:
             g = ops.linear(x, self.shared_expert_gate)  # [T, 1]
             gate = _rowwise_sigmoid(g) if getattr(ops, "deterministic", False) else torch.sigmoid(g)
             out = out + gate * self.shared_expert(x)
-        return out
+        return out if self.reduce is None else self.reduce(out)
 
 
 def _rowwise_sigmoid(z: torch.Tensor) -> torch.Tensor:
@@ -163,4 +182,6 @@ class DecoderLayer(nn.Module):
             a = self.self_attn(self.input_layernorm(h), cos, sin, meta, k_cache, v_cache)
             hx = self.ops.add_rms_norm(h, a, post.weight, post.eps)  # the residual add and the next norm in one pass
         h, x = hx
-        return h + self.mlp(x, plan) if self.is_moe else self.ops.residual_mlp(h, x, self.mlp)
+        if self.is_moe:
+            return h + self.mlp(x, plan)
+        return self.ops.residual_mlp(h, x, self.mlp) if self.mlp.reduce is None else h + self.mlp(x)

@@ -1,0 +1,441 @@
+"""The driver and its workers (vLLM's split): the driver (rank 0) schedules, budgets, serves and counts, and runs its
+own shard of the model; each worker holds one more shard and its KV cache and runs only what the driver sends it.
+
+Every call into the driver's model (a step's forward, the LM head on its sampled rows) and every copy of KV blocks
+between the hot and warm pools is first broadcast to the workers over a gloo group of its own (commands can wait
+for as long as the engine idles); the model's collectives run over the main group, whose timeout turns a rank
+that stops answering into an error naming it. On one machine the driver starts the workers itself (spawned
+processes that exit when it does); under ``torchrun`` every rank starts from the same command line and ranks
+past 0 serve the driver (:func:`serve_torchrun`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import datetime
+import os
+import signal
+import json
+import mmap
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.parallel.comm import Collectives
+from litellm_pipeline.parallel.shard import Shard, make_shard
+
+_POLL_S = 0.2
+_FOREVER = datetime.timedelta(days=365)
+
+
+class ParallelError(RuntimeError):
+    """A rank died or stopped answering: the engine cannot run its model any more (every later call says so)."""
+
+
+def torchrun_env() -> tuple[int, int] | None:
+    """``(rank, world)`` where torchrun (or another launcher of its convention) started this process, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def backend_for(setting: str, device: torch.device) -> str:
+    if setting != "auto":
+        if setting == "nccl" and device.type != "cuda":
+            raise ConfigError("parallel.backend=nccl needs device.type=cuda (gloo runs on CPU)")
+        return setting
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def threads_per_rank(app, local_ranks: int) -> int | None:
+    """CPU threads of each rank where device.threads does not say: the cores shared out, so that ranks on one
+    machine do not oversubscribe them."""
+    if app.device.threads:
+        return app.device.threads
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+
+
+@dataclasses.dataclass
+class Member:
+    """This process's place in a parallel engine: its shard and the collectives its model runs over."""
+
+    shard: Shard
+    comm: Collectives
+    device: torch.device
+    driver: Driver | None = None  # on rank 0
+
+
+def _free_port(addr: str) -> int:
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _join(init_method: str, rank: int, world: int, backend: str, timeout_s: float):
+    """Join the main group (the model's collectives, with the hang timeout) and the command group (gloo, no limit)."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.new_group(backend="gloo", timeout=_FOREVER)
+
+
+def start_driver(app, mc, device: torch.device) -> Member:
+    """Rank 0: start the workers on this machine (or join torchrun's ranks) and return its own member."""
+    p = app.parallel
+    world = max(p.tensor, p.expert)
+    shard = make_shard(p.tensor, p.expert, 0, mc)  # refuses a split the model cannot take before anything starts
+    backend = backend_for(p.backend, device)
+    env = torchrun_env()
+    procs: list = []
+    received = None
+    if env is not None:
+        rank, env_world = env
+        if env_world != world:
+            raise ConfigError(f"parallel: torchrun started {env_world} ranks but tensor={p.tensor} expert={p.expert} "
+                              f"needs {world}")
+        if rank != 0:
+            raise ConfigError(f"rank {rank} builds an engine: only rank 0 drives (the others run serve_torchrun)")
+        init = "env://"
+    else:
+        port = p.master_port or _free_port(p.master_addr)
+        init = f"tcp://{p.master_addr}:{port}"
+        received = Counters.create(world)  # commands each rank has taken: who is behind when one hangs
+        state = json.dumps(app.model_dump(mode="json"))
+        for r in range(1, world):
+            procs.append(_spawn(state, r, init, backend, received.path))
+    driver = Driver(world, procs, received, p.timeout_s)
+    atexit.register(driver.close)  # a normal exit stops the workers (a killed driver: they watch for it)
+    try:
+        joined: dict[str, Any] = {}
+        joiner = threading.Thread(target=lambda: joined.update(group=_join(init, 0, world, backend, p.start_timeout_s)),
+                                  daemon=True)
+        joiner.start()
+        deadline = time.monotonic() + p.start_timeout_s
+        while joiner.is_alive():
+            joiner.join(_POLL_S)
+            driver.check_alive("before joining")
+            if time.monotonic() > deadline:
+                raise ParallelError(f"parallel: the workers did not join within parallel.start_timeout_s="
+                                    f"{p.start_timeout_s:g} s")
+        if "group" not in joined:
+            raise ParallelError("parallel: joining the process group failed (see the error above)")
+        driver.cmd_group = joined["group"]
+        driver.start_deadline = deadline
+    except BaseException:
+        driver.close()
+        raise
+    comm = Collectives(None, world, on_error=driver.diagnose)
+    return Member(shard, comm, device, driver)
+
+
+class Driver:
+    """Rank 0's handle on the workers: sends them commands, watches them, shuts them down."""
+
+    def __init__(self, world: int, procs: list, received, timeout_s: float):
+        self.world = world
+        self.procs = procs
+        self.received = received
+        self.timeout_s = timeout_s
+        self.cmd_group = None
+        self.start_deadline = 0.0
+        self.sent = 0
+        self.broken: str | None = None
+        self.closed = False
+        self.hot_kv: list | None = None
+        self.tensor_parallel = False
+        self.copies = 0  # KV block copies sent to the workers
+
+    # ---- start
+    def wait_ready(self) -> None:
+        """Wait for every spawned worker to have built its shard (a failure names the rank and its error)."""
+        if not self.procs:
+            if self.cmd_group is not None:  # torchrun: a barrier (each rank prints its own failure)
+                self._send(("ready",))
+            return
+        waiting = {proc.report: (r, proc) for r, proc in enumerate(self.procs, start=1)}
+        while waiting:
+            got, _, _ = select.select(list(waiting), [], [], _POLL_S)
+            for fd in got:
+                r, proc = waiting[fd]
+                chunk = os.read(fd, 4096)
+                proc.buf += chunk
+                if b"\n" not in proc.buf and chunk:
+                    continue
+                line = proc.buf.split(b"\n", 1)[0].decode(errors="replace")
+                del waiting[fd]
+                os.close(fd)
+                if line != "ready":
+                    raise ParallelError(f"parallel: rank {r} failed to start: {line or 'it exited'}")
+            self.check_alive("while loading its shard")
+            if waiting and time.monotonic() > self.start_deadline:
+                raise ParallelError(f"parallel: rank(s) {sorted(r for r, _ in waiting.values())} did not load their "
+                                    f"shards within parallel.start_timeout_s")
+
+    # ---- health
+    def check_alive(self, when: str) -> None:
+        for r, proc in enumerate(self.procs, start=1):
+            if proc.exitcode is not None:
+                code = proc.exitcode
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                raise ParallelError(f"parallel: rank {r} (pid {proc.pid}) died {when} ({how})")
+
+    def diagnose(self, exc: BaseException) -> ParallelError:
+        """The error of a failed collective: which rank died or fell behind. The engine stays broken after it."""
+        time.sleep(_POLL_S)  # a rank that was killed is reaped by now
+        why = None
+        try:
+            self.check_alive(f"during command {self.sent}")
+        except ParallelError as dead:
+            why = str(dead)
+        if why is None and self.received is not None:
+            behind = [r for r in range(1, self.world) if self.received[r] < self.sent]
+            if behind:
+                why = (f"parallel: rank(s) {behind} did not answer within parallel.timeout_s={self.timeout_s:g} s "
+                       f"(hung at command {min(self.received[r] for r in behind)} of {self.sent})")
+        if why is None:
+            why = f"parallel: a collective failed on rank 0: {exc}"
+        self.broken = why
+        return ParallelError(why)
+
+    def _send(self, msg: tuple) -> None:
+        if self.broken is not None:
+            raise ParallelError(self.broken)
+        if self.closed:
+            raise ParallelError("parallel: the engine was closed (its workers are gone)")
+        self.sent += 1
+        try:
+            send_command(msg, self.cmd_group, self.timeout_s)
+        except Exception as exc:
+            raise self.diagnose(exc) from exc
+
+    # ---- what the workers mirror
+    def forward(self, input_ids, meta, kv_caches, plan, rope_seq_lens, logits) -> None:
+        if kv_caches is not self.hot_kv:
+            raise ParallelError("parallel: a model call with KV caches other than the engine's (the workers hold only "
+                                "the engine's own)")
+        self._send(("forward", input_ids, dataclasses.replace(meta, _decode_masks={}), plan, rope_seq_lens, logits))
+
+    def compute_logits(self, hidden: torch.Tensor) -> None:
+        if self.tensor_parallel:  # expert parallel alone: every rank holds the whole LM head, the driver's is enough
+            self._send(("logits", hidden))
+
+    def copy_blocks(self, to_warm: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+        if src_ids:
+            self._send(("copy", to_warm, list(src_ids), list(dst_ids)))
+            self.copies += 1
+
+    # ---- stop
+    def close(self) -> None:
+        """Stop the workers (a stop command where they can take it; killed where not) and leave the groups."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.cmd_group is not None and self.broken is None:
+            try:
+                send_command(("stop",), self.cmd_group, 5.0)
+            except Exception:
+                pass
+        deadline = time.monotonic() + (10.0 if self.broken is None else 0.0)  # a hung rank is not waited for
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs:
+            if proc.exitcode is None:
+                proc.popen.kill()
+                proc.popen.wait(5.0)
+        if self.received is not None:
+            self.received.remove()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+# ---- commands: a length, then the pickled command, broadcast from rank 0 over the command group
+def send_command(msg: tuple, group, timeout_s: float) -> None:
+    """Broadcast ``msg`` to the workers; a worker that does not take it within ``timeout_s`` raises (a gloo send
+    waits for its receiver)."""
+    payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    limit = datetime.timedelta(seconds=timeout_s)
+    for t in (torch.tensor([len(payload)], dtype=torch.long), torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
+        dist.broadcast(t, src=0, group=group, async_op=True).wait(limit)
+
+
+def receive_command(group) -> tuple:
+    """The driver's next command (waits as long as the engine idles)."""
+    size = torch.empty(1, dtype=torch.long)
+    dist.broadcast(size, src=0, group=group)
+    buf = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=0, group=group)
+    return pickle.loads(buf.numpy().tobytes())
+
+
+# ---- workers
+class Counters:
+    """One int64 per rank in a shared file mapping: what the driver sent, what each worker took."""
+
+    def __init__(self, path: str, world: int, create: bool):
+        self.path = path
+        if create:
+            with open(path, "wb") as f:
+                f.write(bytes(8 * world))
+        self._file = open(path, "r+b")
+        self._map = mmap.mmap(self._file.fileno(), 8 * world)
+        self._view = memoryview(self._map).cast("q")
+
+    @classmethod
+    def create(cls, world: int) -> Counters:
+        fd, path = tempfile.mkstemp(prefix="litellm-ranks-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        os.close(fd)
+        return cls(path, world, create=True)
+
+    def __getitem__(self, rank: int) -> int:
+        return self._view[rank]
+
+    def __setitem__(self, rank: int, value: int) -> None:
+        self._view[rank] = value
+
+    def remove(self) -> None:
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class _Proc:
+    """A worker process started here, with the pipe it reports its start on."""
+
+    def __init__(self, popen: subprocess.Popen, report: int):
+        self.popen = popen
+        self.pid = popen.pid
+        self.report = report
+        self.buf = b""
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+
+def _spawn(state: str, rank: int, init: str, backend: str, counters: str) -> _Proc:
+    """Start rank ``rank`` as ``python -m litellm_pipeline.parallel.workers`` (not multiprocessing's spawn, which
+    would run the driver's own script again in the child): the config on stdin, its start reported on a pipe."""
+    r, w = os.pipe()
+    cmd = [sys.executable, "-m", "litellm_pipeline.parallel.workers", str(rank), init, backend, counters,
+           str(os.getpid()), str(w)]
+    popen = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(w,))
+    os.close(w)
+    popen.stdin.write(state.encode())
+    popen.stdin.close()
+    return _Proc(popen, r)
+
+
+def _worker_main(argv: list[str]) -> None:
+    """A worker process on the driver's machine: join, build its shard, serve; exit when the driver goes."""
+    rank, init, backend, counters_path, parent, report = (int(argv[0]), argv[1], argv[2], argv[3], int(argv[4]),
+                                                          int(argv[5]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver handles it
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    from litellm_pipeline.config.schema import AppConfig
+
+    app = AppConfig.model_validate(json.loads(sys.stdin.read()))
+    world = max(app.parallel.tensor, app.parallel.expert)
+    received = Counters(counters_path, world, create=False)
+    cmd_group = _join(init, rank, world, backend, app.parallel.timeout_s)
+    try:
+        rt = _build_worker(app, rank)
+    except BaseException as exc:
+        os.write(report, f"{type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")
+        os._exit(4)
+    os.write(report, b"ready\n")
+    os.close(report)
+    os._exit(serve(rt, cmd_group, rank, received))
+
+
+def _build_worker(app, rank: int):
+    from litellm_pipeline.config.build import build_from_app
+    from litellm_pipeline.model.loader import load_model_config
+
+    p = app.parallel
+    mc = load_model_config(app.model.path) if app.model.path else None
+    if mc is None:
+        from litellm_pipeline.demo import demo_checkpoint
+
+        mc = load_model_config(demo_checkpoint())
+    member = Member(make_shard(p.tensor, p.expert, rank, mc), Collectives(None, max(p.tensor, p.expert)),
+                    torch.device("cpu"))
+    return build_from_app(app, member=member).rt
+
+
+def serve(rt, cmd_group, rank: int, received=None) -> int:
+    """A worker's loop: run each command of the driver on this rank's shard until it says stop. Returns the exit
+    code (0 after stop; 1 where a command failed, whose error it prints)."""
+    model, hot = rt.model, rt.kv_caches
+    warm = rt.kv.warm
+    n = 0
+    try:
+        while True:
+            msg = receive_command(cmd_group)
+            n += 1
+            if received is not None:
+                received[rank] = n
+            op = msg[0]
+            if op == "stop":
+                return 0
+            with torch.inference_mode():
+                if op == "forward":
+                    _, ids, meta, plan, rope, logits = msg
+                    model(ids, meta, hot, plan, rope, logits=logits)
+                elif op == "logits":
+                    model.compute_logits(msg[1])
+                elif op == "copy":
+                    _, to_warm, src_ids, dst_ids = msg
+                    src, dst = (hot, warm.kv) if to_warm else (warm.kv, hot)
+                    from litellm_pipeline.engine.kv_cache_manager import copy_blocks
+
+                    copy_blocks(src, src_ids, dst, dst_ids, rt.block_size)
+    except Exception:
+        print(f"litellm_pipeline: rank {rank} stops at command {n}:\n{traceback.format_exc()}", file=sys.stderr)
+        return 1
+
+
+def serve_torchrun(cfg) -> int:
+    """A rank past 0 under torchrun: build this rank's shard from the same config as the driver and serve it."""
+    from litellm_pipeline.config.build import to_plain
+    from litellm_pipeline.config.schema import validate_config
+
+    rank, world = torchrun_env()
+    app = validate_config(to_plain(cfg))
+    p = app.parallel
+    if world != max(p.tensor, p.expert):
+        raise ConfigError(f"parallel: torchrun started {world} ranks but tensor={p.tensor} expert={p.expert} needs "
+                          f"{max(p.tensor, p.expert)}")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if app.device.type == "cuda" else None
+    backend = backend_for(p.backend, device or torch.device("cpu"))
+    cmd_group = _join("env://", rank, world, backend, p.timeout_s)
+    rt = _build_worker(app, rank)
+    receive_command(cmd_group)  # the driver's "ready": every rank has its shard
+    return serve(rt, cmd_group, rank)
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

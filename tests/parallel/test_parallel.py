@@ -1,0 +1,235 @@
+"""Tensor and expert parallelism on torch.distributed (gloo, 2 ranks on this machine's CPU).
+
+Every family gives one process's greedy tokens under ``parallel.tensor=2`` and every MoE family under
+``parallel.expert=2`` (logprobs within 1e-5); the batch-invariant mode keeps its guarantee; KV copies between the hot
+and warm pools reach the workers; ``close()`` and ``with`` leave no process behind, and a dead or hung rank becomes
+an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from hf_models import ARCHS, random_prompts
+
+from litellm_pipeline import LLM, SamplingParams
+from litellm_pipeline.errors import ConfigError
+from litellm_pipeline.request_spec import RequestSpec
+
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+PROMPTS = random_prompts([5, 17, 30], seed=7)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """A parallel engine shares the cores out between its ranks (the driver takes its share): put them back."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _run(path, overrides=(), prompts=PROMPTS, params=GREEDY):
+    with LLM(model=str(path), overrides=list(overrides)) as llm:
+        outs = llm.generate(prompts, params)
+        return [(o.token_ids, o.logprobs, o.error) for o in outs], llm
+
+
+def _assert_same(one, par):
+    for (tok1, lp1, _), (tok2, lp2, err) in zip(one, par):
+        assert err is None
+        assert tok2 == tok1
+        for a, b in zip(lp1, lp2):
+            assert a.keys() == b.keys()
+            # float32 sums in another order: within 1e-5, relative to the logprob's size (these checkpoints' logits
+            # are scaled up so that greedy choices have clear gaps: logprobs of -20 and below are common)
+            assert all(abs(a[t] - b[t]) <= 1e-5 * max(1.0, abs(a[t])) for t in a), (a, b)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _worker_pids(llm) -> list[int]:
+    return [p.pid for p in llm.engine.rt.parallel.driver.procs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tensor_parallel_matches_one_process(hf_checkpoint, arch):
+    path = hf_checkpoint(arch)
+    one, _ = _run(path)
+    par, llm = _run(path, ["parallel.tensor=2"])
+    _assert_same(one, par)
+    model = llm.engine.rt.model
+    attn = model.layers[0].self_attn
+    assert model.embed_tokens.shape[0] == 384 // 2  # the vocabulary split
+    assert attn.num_heads == 2 and attn.num_kv_heads == max(1, model.cfg.num_kv_heads // 2)  # qwen3: 1 KV head
+    assert llm.engine.rt.kv_caches[0][0].shape[1] == attn.num_kv_heads
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_parallel_matches_one_process(hf_checkpoint, arch):
+    path = hf_checkpoint(arch)
+    one, _ = _run(path)
+    par, llm = _run(path, ["parallel.expert=2"])
+    _assert_same(one, par)
+    moe = llm.engine.rt.model.layers[0].mlp
+    assert moe.experts == (0, 2) and moe.w13.shape[0] == 2  # rank 0 holds experts 0 and 1 of 4
+    assert llm.engine.rt.model.layers[0].self_attn.num_heads == 4  # attention whole on every rank
+
+
+def test_tensor_and_expert_parallel_together_with_tiers(hf_checkpoint):
+    """tensor=2 expert=2 on one pair of ranks (attention and the shared expert split, routed experts spread); the
+    tier's expert limits are decided once on the driver and reach the workers with the step."""
+    path = hf_checkpoint("qwen2_moe")
+    specs = [RequestSpec(prompt=p, params=GREEDY, tier=t) for p, t in zip(PROMPTS, ("fast", "balanced", "max"))]
+    one, _ = _run(path, prompts=specs)
+    par, llm = _run(path, ["parallel.tensor=2", "parallel.expert=2"], prompts=specs)
+    _assert_same(one, par)
+    assert llm.engine.rt.model.layers[0].mlp.shared_expert.down_proj.shape[1] == 48 // 2
+
+
+def test_batch_invariance_holds_under_tensor_parallelism(hf_checkpoint):
+    path = hf_checkpoint("mixtral")
+    target = RequestSpec(prompt=PROMPTS[1], params=GREEDY)
+    others = [RequestSpec(prompt=p, params=GREEDY) for p in random_prompts([3, 40, 22, 9], seed=3)]
+    with LLM(model=str(path), overrides=["parallel.tensor=2", "engine.deterministic=true",
+                                         "engine.max_num_batched_tokens=32"]) as llm:
+        alone = llm.generate(target)[0]
+        batched = llm.generate([others[0], target, *others[1:]])[1]
+    assert (batched.token_ids, batched.logprobs) == (alone.token_ids, alone.logprobs)
+
+
+def test_warm_pool_copies_reach_the_workers(hf_checkpoint):
+    """A hot pool too small for the shared prefixes: blocks are demoted to the warm pool and promoted back; the
+    workers' caches follow (else their K/V would differ from the driver's and the tokens would too)."""
+    path = hf_checkpoint("llama")
+    base = random_prompts([48], seed=11)[0]
+    prompts = [base + p for p in random_prompts([4, 6, 5, 7], seed=12)]
+    small = ["cache.num_blocks=10", "cache.block_size=8", "cache.warm_blocks=32", "engine.max_num_seqs=1"]
+    one, _ = _run(path, small, prompts=prompts)
+    one2, _ = _run(path, small, prompts=prompts[::-1])
+    with LLM(model=str(path), overrides=["parallel.tensor=2", *small]) as llm:
+        par = [(o.token_ids, o.logprobs, o.error) for o in llm.generate(prompts, GREEDY)]
+        par2 = [(o.token_ids, o.logprobs, o.error) for o in llm.generate(prompts[::-1], GREEDY)]
+        assert llm.engine.rt.parallel.driver.copies > 0
+        assert any(o.num_cached_tokens for o in llm.generate(prompts[:1], GREEDY))
+    _assert_same(one, par)
+    _assert_same(one2, par2)
+
+
+def test_close_and_with_leave_no_process(hf_checkpoint):
+    path = hf_checkpoint("llama")
+    llm = LLM(model=str(path), overrides=["parallel.tensor=2"])
+    pids = _worker_pids(llm)
+    assert pids and all(_alive(p) for p in pids)
+    llm.close()
+    assert not any(_alive(p) for p in pids)
+    llm.close()  # idempotent
+    with pytest.raises(Exception, match="closed"):
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        out.raise_error()
+    with LLM(model=str(path), overrides=["parallel.tensor=2"]) as llm2:
+        pids = _worker_pids(llm2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_a_dead_rank_is_an_error_naming_it(hf_checkpoint):
+    path = hf_checkpoint("llama")
+    with LLM(model=str(path), overrides=["parallel.tensor=2", "parallel.timeout_s=30"]) as llm:
+        (pid,) = _worker_pids(llm)
+        assert llm.generate(PROMPTS[0], GREEDY)[0].error is None
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert out.finish_reason == "error" and "rank 1" in out.error and "signal 9" in out.error
+        assert time.monotonic() - t0 < 25  # not the collective timeout: the peer's closed connection
+        again = llm.generate(PROMPTS[1], GREEDY)[0]  # every later call fails at once, naming it
+        assert again.finish_reason == "error" and "rank 1" in again.error
+
+
+def test_a_hung_rank_is_an_error_after_the_timeout(hf_checkpoint):
+    path = hf_checkpoint("llama")
+    llm = LLM(model=str(path), overrides=["parallel.tensor=2", "parallel.timeout_s=3"])
+    (pid,) = _worker_pids(llm)
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert out.finish_reason == "error"
+        assert "rank(s) [1] did not answer within parallel.timeout_s=3" in out.error
+    finally:
+        llm.close()  # kills the stopped worker
+    assert not _alive(pid)
+
+
+def test_the_driver_killed_or_terminated_takes_its_workers_along(hf_checkpoint, tmp_path):
+    """SIGTERM (no handler: the default action) and SIGKILL on the driver: the workers see it go and exit."""
+    path = hf_checkpoint("llama")
+    script = tmp_path / "drive.py"
+    script.write_text(
+        "import sys, time\nfrom litellm_pipeline import LLM\n"
+        f"llm = LLM(model={str(path)!r}, overrides=['parallel.tensor=2'])\n"
+        "print(*[p.pid for p in llm.engine.rt.parallel.driver.procs], flush=True)\ntime.sleep(120)\n"
+    )
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        (pid,) = map(int, proc.stdout.readline().split())
+        assert _alive(pid)
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), f"worker outlived its driver after {sig!r}"
+
+
+def test_a_worker_that_cannot_start_is_named():
+    """What a worker reports on its start pipe when its build fails becomes the driver's error, naming the rank."""
+    from litellm_pipeline.parallel.workers import Driver, ParallelError, _Proc
+
+    r, w = os.pipe()
+    os.write(w, b"CheckpointError: shard unreadable\n")
+    os.close(w)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    driver = Driver(2, [_Proc(sleeper, r)], None, 5.0)
+    driver.start_deadline = time.monotonic() + 5
+    try:
+        with pytest.raises(ParallelError, match="rank 1 failed to start: CheckpointError: shard unreadable"):
+            driver.wait_ready()
+    finally:
+        driver.close()
+    assert sleeper.poll() is not None
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.tensor=2", "parallel.expert=4"], "tensor=2 with expert=4 is not supported"),
+    (["parallel.expert=2"], "the model is dense"),
+    (["parallel.tensor=3"], "must divide the model's 4 attention heads"),
+    (["parallel.tensor=2", "device.compile=true"], "device.compile"),
+    (["parallel.tensor=2", "parallel.backend=nccl"], "needs device.type=cuda"),
+])
+def test_unsupported_splits_are_config_errors(hf_checkpoint, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(model=str(hf_checkpoint("llama")), overrides=overrides)
+
+
+def test_a_model_too_big_for_one_rank_runs_on_two(hf_checkpoint):
+    """device.memory_gb caps one rank's weights: the tiny llama (about 0.3 MiB of float32 weights) does not fit
+    0.2 MiB alone, and does under tensor=2."""
+    path = hf_checkpoint("llama")
+    cap = f"device.memory_gb={0.2 / 1024}"
+    with pytest.raises(ConfigError, match=r"device.memory_gb=.*: the model's weights take .* GiB per rank"):
+        LLM(model=str(path), overrides=[cap])
+    one, _ = _run(path)
+    par, _ = _run(path, [cap, "parallel.tensor=2"])
+    _assert_same(one, par)
