@@ -24,7 +24,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 timeout 180 python3 -m pytest -q -p no:cacheprovider \
   tests/model/test_cuda.py tests/model/test_cuda_graphs.py tests/model/test_expert_offload.py \
-  tests/model/test_triton_attention.py tests/model/test_rope.py -k "cuda or triton or offload or device" \
+  tests/model/test_triton_attention.py tests/model/test_rope.py tests/parallel/test_parallel.py \
+  -k "cuda or triton or offload or device" \
   2>&1 | tee "$OUT/gpu_tests.log"
 
 timeout "${BENCH_TIMEOUT:-420}" python3 -m litellm_pipeline +recipe=bench device=cuda \

@@ -18,9 +18,13 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def _task(cfg):
+    from litellm_pipeline.parallel.workers import serve_torchrun, torchrun_env
     from litellm_pipeline.tasks import run_task
 
+    env = torchrun_env()
     try:
+        if env is not None and env[0] != 0:  # torchrun: ranks past 0 serve their shard to rank 0, which runs the task
+            sys.exit(serve_torchrun(cfg))
         return run_task(cfg)
     except expected_errors() as exc:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

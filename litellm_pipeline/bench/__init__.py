@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from litellm_pipeline.bench import engine_runs, llamacpp, peer, report, speculative, structured
+from litellm_pipeline.bench import engine_runs, llamacpp, parallel, peer, report, speculative, structured
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
 from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
@@ -349,6 +349,16 @@ def run_bench(cfg: Any) -> dict:
     if s.speculative:
         result["speculative"] = _measure_speculative(s, base, out, models if s.speculative_models else [], paths)
         mon.mark("speculative decoding")
+    if s.parallel:
+        from litellm_pipeline.config.build import build_engine
+
+        result["parallel"] = [
+            parallel.measure_parallel(
+                lambda p, extra: build_engine(engine_config(base, p, "float32", {**s.engine, **extra})), paths[name],
+                mcfg, name, s.parallel_batches, s.parallel_requests, s.parallel_prompt_len, s.parallel_output_len,
+                s.parallel_rounds, s.seed)
+            for name, mcfg in models]
+        mon.mark("parallel")
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result

@@ -180,6 +180,24 @@ def llamacpp_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:
                     "llama.cpp 1by1", "x", "srv mixed", "x", "goals"], t)]
 
 
+def parallel_table(par: list[dict] | None) -> list[str]:
+    """One process against 2 ranks per bench model (bench.parallel)."""
+    if not par:
+        return []
+    out = []
+    for m in par:
+        out += ["", f"parallel on {m['model']} (random weights, float32, {m['requests']} requests of "
+                    f"{m['prompt_len']} + {m['output_len']} tokens; ranks share this machine's cores); x = vs 1 rank",
+                f"{'split':<9} {'batch':>5} {'tok/s':>9} {'x':>5} {'collective ms/step':>19} {'calls/step':>10} "
+                f"{'same':>4}"]
+        base = {r["batch"]: r["tok_s"] for r in m["rows"] if r["split"] == "1 rank"}
+        for r in m["rows"]:
+            out.append(f"{r['split']:<9} {r['batch']:>5} {r['tok_s']:>9.1f} {r['tok_s'] / base[r['batch']]:>5.2f} "
+                       f"{r['collective_ms_per_step']:>19.3f} {r['collectives_per_step']:>10.1f} "
+                       f"{'yes' if r['same'] else 'NO':>4}")
+    return out
+
+
 def speculative_table(sp: dict | None) -> list[str]:
     """Each proposer vs none per batch size and skill (bench.speculative)."""
     if not sp:
@@ -285,6 +303,7 @@ def render(result: dict) -> str:
                      "prefetch %", "ms/miss"], t4)]
     out += structured_table(rows, label)
     out += speculative_table(result.get("speculative"))
+    out += parallel_table(result.get("parallel"))
     out += llamacpp_table(rows, label)
     targets = target_lines(rows)
     if targets:

@@ -72,6 +72,14 @@ class BenchSettings(_Section):
     speculative_requests: int = Field(default=4, ge=1)
     speculative_prompt_len: int = Field(default=32, ge=1)
     speculative_output_len: int = Field(default=64, ge=2)
+    # tensor / expert parallelism (bench/parallel.py): each bench model in one process and over 2 ranks (tensor=2;
+    # expert=2 for MoE), tokens/s and the driver's time in collectives per step
+    parallel: bool = False
+    parallel_batches: list[int] = Field(default=[1, 4], min_length=1)
+    parallel_requests: int = Field(default=4, ge=1)
+    parallel_prompt_len: int = Field(default=32, ge=1)
+    parallel_output_len: int = Field(default=32, ge=2)
+    parallel_rounds: int = Field(default=3, ge=1)
     structured_batches: list[int] = Field(default=[1, 16], min_length=1)
     structured_rounds: int = Field(default=3, ge=1)
     structured_max_tokens: int = Field(default=256, ge=16)

@@ -253,6 +253,8 @@ def check_parallel(app: AppConfig) -> None:
 def _build(app: AppConfig, mc: ModelConfig, path, device: torch.device, dtype: torch.dtype, classes, sched_cls,
            policy_cls, sinks, member: Member | None) -> Engine:
     shard = member.shard if member is not None else None
+    if member is not None:
+        device = member.device  # a GPU rank's own GPU
     worker = member is not None and member.driver is None
     if member is not None and app.device.type == "cpu" and not app.device.threads:
         torch.set_num_threads(threads_per_rank(app, int(os.environ.get("LOCAL_WORLD_SIZE", member.comm.world))))

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 
 class Collectives:
-    """All-reduce and vocabulary all-gather over one process group; counts the calls and the seconds spent in them
+    """All-reduce (sum) and vocabulary all-gather over one process group (the engine's own, see
+    ``workers._join``); counts the calls and the seconds spent in them
     (the driver's ``parallel`` metrics: time in collectives per step)."""
 
     def __init__(self, group: dist.ProcessGroup | None, world: int,
@@ -28,7 +29,7 @@ class Collectives:
         t0 = time.perf_counter()
         t = t.contiguous()
         try:
-            dist.all_reduce(t, group=self.group)
+            self.group.allreduce([t]).wait()
         except Exception as exc:
             raise self._failed(exc) from exc
         self.seconds += time.perf_counter() - t0
@@ -42,7 +43,7 @@ class Collectives:
             local = torch.nn.functional.pad(local, (0, chunk - local.shape[-1]))
         parts = [torch.empty_like(local) for _ in range(self.world)]
         try:
-            dist.all_gather(parts, local.contiguous(), group=self.group)
+            self.group.allgather([parts], [local.contiguous()]).wait()
         except Exception as exc:
             raise self._failed(exc) from exc
         self.seconds += time.perf_counter() - t0

@@ -38,6 +38,8 @@ from litellm_pipeline.parallel.shard import Shard, make_shard
 
 _POLL_S = 0.2
 _FOREVER = datetime.timedelta(days=365)
+_FROM_DRIVER = dist.BroadcastOptions()
+_FROM_DRIVER.rootRank = 0
 
 
 class ParallelError(RuntimeError):
@@ -51,12 +53,28 @@ def torchrun_env() -> tuple[int, int] | None:
     return None
 
 
-def backend_for(setting: str, device: torch.device) -> str:
+def backend_for(setting: str, device: torch.device, local_ranks: int) -> str:
+    """``auto``: NCCL where every rank on this machine has a GPU of its own, else gloo (CPU tensors, or ranks that
+    share one GPU, which NCCL refuses)."""
     if setting != "auto":
         if setting == "nccl" and device.type != "cuda":
             raise ConfigError("parallel.backend=nccl needs device.type=cuda (gloo runs on CPU)")
         return setting
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= local_ranks else "gloo"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """The device of the rank ``local_rank`` of this machine: its own GPU where there are enough (shared round
+    robin where not), the CPU for a CPU engine."""
+    if device.type != "cuda":
+        return device
+    d = torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+    torch.cuda.set_device(d)
+    return d
+
+
+def _local_world(world: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
 def threads_per_rank(app, local_ranks: int) -> int | None:
@@ -83,11 +101,24 @@ def _free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
-def _join(init_method: str, rank: int, world: int, backend: str, timeout_s: float):
-    """Join the main group (the model's collectives, with the hang timeout) and the command group (gloo, no limit)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.new_group(backend="gloo", timeout=_FOREVER)
+def _join(init_method: str, rank: int, world: int, backend: str, timeout_s: float, start_timeout_s: float):
+    """Meet the other ranks at ``init_method`` and make this engine's two groups: the model's collectives (``backend``,
+    with the hang timeout) and the commands (gloo, no limit: a worker waits as long as the engine idles). The groups
+    are the engine's own, not torch.distributed's default group, so one process can hold several parallel engines
+    (a bench comparing splits, a test suite) and any other code's default group is left alone."""
+    store, rank, world = next(dist.rendezvous(init_method, rank=rank, world_size=world,
+                                              timeout=datetime.timedelta(seconds=start_timeout_s)))
+    main = _group(backend, dist.PrefixStore("model/", store), rank, world, datetime.timedelta(seconds=timeout_s))
+    cmd = _group("gloo", dist.PrefixStore("commands/", store), rank, world, _FOREVER)
+    return main, cmd
+
+
+def _group(backend: str, store, rank: int, world: int, timeout: datetime.timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world, timeout)
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world, opts)
 
 
 def start_driver(app, mc, device: torch.device) -> Member:
@@ -95,7 +126,7 @@ def start_driver(app, mc, device: torch.device) -> Member:
     p = app.parallel
     world = max(p.tensor, p.expert)
     shard = make_shard(p.tensor, p.expert, 0, mc)  # refuses a split the model cannot take before anything starts
-    backend = backend_for(p.backend, device)
+    backend = backend_for(p.backend, device, _local_world(world))
     env = torchrun_env()
     procs: list = []
     received = None
@@ -118,8 +149,8 @@ def start_driver(app, mc, device: torch.device) -> Member:
     atexit.register(driver.close)  # a normal exit stops the workers (a killed driver: they watch for it)
     try:
         joined: dict[str, Any] = {}
-        joiner = threading.Thread(target=lambda: joined.update(group=_join(init, 0, world, backend, p.start_timeout_s)),
-                                  daemon=True)
+        joiner = threading.Thread(target=lambda: joined.update(
+            groups=_join(init, 0, world, backend, p.timeout_s, p.start_timeout_s)), daemon=True)
         joiner.start()
         deadline = time.monotonic() + p.start_timeout_s
         while joiner.is_alive():
@@ -128,15 +159,15 @@ def start_driver(app, mc, device: torch.device) -> Member:
             if time.monotonic() > deadline:
                 raise ParallelError(f"parallel: the workers did not join within parallel.start_timeout_s="
                                     f"{p.start_timeout_s:g} s")
-        if "group" not in joined:
+        if "groups" not in joined:
             raise ParallelError("parallel: joining the process group failed (see the error above)")
-        driver.cmd_group = joined["group"]
+        main, driver.cmd_group = joined["groups"]
         driver.start_deadline = deadline
     except BaseException:
         driver.close()
         raise
-    comm = Collectives(None, world, on_error=driver.diagnose)
-    return Member(shard, comm, device, driver)
+    comm = Collectives(main, world, on_error=driver.diagnose)
+    return Member(shard, comm, rank_device(device, int(os.environ.get("LOCAL_RANK", 0))), driver)
 
 
 class Driver:
@@ -155,6 +186,7 @@ class Driver:
         self.hot_kv: list | None = None
         self.tensor_parallel = False
         self.copies = 0  # KV block copies sent to the workers
+        self.forwards = 0  # model steps sent to the workers
 
     # ---- start
     def wait_ready(self) -> None:
@@ -225,6 +257,7 @@ class Driver:
             raise ParallelError("parallel: a model call with KV caches other than the engine's (the workers hold only "
                                 "the engine's own)")
         self._send(("forward", input_ids, dataclasses.replace(meta, _decode_masks={}), plan, rope_seq_lens, logits))
+        self.forwards += 1
 
     def compute_logits(self, hidden: torch.Tensor) -> None:
         if self.tensor_parallel:  # expert parallel alone: every rank holds the whole LM head, the driver's is enough
@@ -258,11 +291,7 @@ class Driver:
                 proc.popen.wait(5.0)
         if self.received is not None:
             self.received.remove()
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        self.cmd_group = None  # the groups' connections close with them
 
 
 # ---- commands: a length, then the pickled command, broadcast from rank 0 over the command group
@@ -272,15 +301,15 @@ def send_command(msg: tuple, group, timeout_s: float) -> None:
     payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     limit = datetime.timedelta(seconds=timeout_s)
     for t in (torch.tensor([len(payload)], dtype=torch.long), torch.frombuffer(bytearray(payload), dtype=torch.uint8)):
-        dist.broadcast(t, src=0, group=group, async_op=True).wait(limit)
+        group.broadcast([t], _FROM_DRIVER).wait(limit)
 
 
 def receive_command(group) -> tuple:
     """The driver's next command (waits as long as the engine idles)."""
     size = torch.empty(1, dtype=torch.long)
-    dist.broadcast(size, src=0, group=group)
+    group.broadcast([size], _FROM_DRIVER).wait()
     buf = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=group)
+    group.broadcast([buf], _FROM_DRIVER).wait()
     return pickle.loads(buf.numpy().tobytes())
 
 
@@ -360,9 +389,9 @@ def _worker_main(argv: list[str]) -> None:
     app = AppConfig.model_validate(json.loads(sys.stdin.read()))
     world = max(app.parallel.tensor, app.parallel.expert)
     received = Counters(counters_path, world, create=False)
-    cmd_group = _join(init, rank, world, backend, app.parallel.timeout_s)
+    main, cmd_group = _join(init, rank, world, backend, app.parallel.timeout_s, app.parallel.start_timeout_s)
     try:
-        rt = _build_worker(app, rank)
+        rt = _build_worker(app, rank, rank, main)
     except BaseException as exc:
         os.write(report, f"{type(exc).__name__}: {exc}".replace("\n", " ").encode() + b"\n")
         os._exit(4)
@@ -371,7 +400,7 @@ def _worker_main(argv: list[str]) -> None:
     os._exit(serve(rt, cmd_group, rank, received))
 
 
-def _build_worker(app, rank: int):
+def _build_worker(app, rank: int, local_rank: int, group):
     from litellm_pipeline.config.build import build_from_app
     from litellm_pipeline.model.loader import load_model_config
 
@@ -381,9 +410,23 @@ def _build_worker(app, rank: int):
         from litellm_pipeline.demo import demo_checkpoint
 
         mc = load_model_config(demo_checkpoint())
-    member = Member(make_shard(p.tensor, p.expert, rank, mc), Collectives(None, max(p.tensor, p.expert)),
-                    torch.device("cpu"))
+    from litellm_pipeline.config.build import resolve_device
+
+    device = rank_device(resolve_device(app.device.type), local_rank)
+    member = Member(make_shard(p.tensor, p.expert, rank, mc), Collectives(group, max(p.tensor, p.expert)), device)
     return build_from_app(app, member=member).rt
+
+
+def _moved(x, device: torch.device):
+    """``x`` (tensors in tuples, lists and dataclasses such as AttentionMetadata and RoutePlan) on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(_moved(v, device) for v in x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return dataclasses.replace(x, **{f.name: _moved(getattr(x, f.name), device) for f in dataclasses.fields(x)
+                                         if f.init})
+    return x
 
 
 def serve(rt, cmd_group, rank: int, received=None) -> int:
@@ -401,6 +444,8 @@ def serve(rt, cmd_group, rank: int, received=None) -> int:
             op = msg[0]
             if op == "stop":
                 return 0
+            if rt.device.type == "cuda":  # tensors arrive on the driver's GPU: this rank's own
+                msg = _moved(msg, rt.device)
             with torch.inference_mode():
                 if op == "forward":
                     _, ids, meta, plan, rope, logits = msg
@@ -429,10 +474,11 @@ def serve_torchrun(cfg) -> int:
     if world != max(p.tensor, p.expert):
         raise ConfigError(f"parallel: torchrun started {world} ranks but tensor={p.tensor} expert={p.expert} needs "
                           f"{max(p.tensor, p.expert)}")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if app.device.type == "cuda" else None
-    backend = backend_for(p.backend, device or torch.device("cpu"))
-    cmd_group = _join("env://", rank, world, backend, p.timeout_s)
-    rt = _build_worker(app, rank)
+    from litellm_pipeline.config.build import resolve_device
+
+    backend = backend_for(p.backend, resolve_device(app.device.type), _local_world(world))
+    main, cmd_group = _join("env://", rank, world, backend, p.timeout_s, p.start_timeout_s)
+    rt = _build_worker(app, rank, int(os.environ.get("LOCAL_RANK", 0)), main)
     receive_command(cmd_group)  # the driver's "ready": every rank has its shard
     return serve(rt, cmd_group, rank)
 

@@ -233,3 +233,44 @@ def test_a_model_too_big_for_one_rank_runs_on_two(hf_checkpoint):
     one, _ = _run(path)
     par, _ = _run(path, [cap, "parallel.tensor=2"])
     _assert_same(one, par)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (.ci/gpu_check.sh)")
+def test_tensor_parallel_on_cuda(hf_checkpoint):
+    """On the GPU machine: NCCL where there is a GPU per rank, else gloo with both ranks on the one GPU."""
+    path = hf_checkpoint("mixtral")
+    one, _ = _run(path, ["device=cuda"])
+    par, llm = _run(path, ["device=cuda", "parallel.tensor=2"])
+    _assert_same(one, par)
+    assert llm.engine.rt.kv_caches[0][0].is_cuda
+
+
+def test_torchrun_ranks_run_the_same_command(hf_checkpoint, tmp_path):
+    """``torchrun ... -m litellm_pipeline +recipe=generate parallel.tensor=2``: rank 0 runs the recipe, rank 1 serves
+    its shard (rank and world from the environment); the text is one process's, and both ranks exit."""
+    path = hf_checkpoint("qwen2")
+    args = ["-m", "litellm_pipeline", "+recipe=generate", f"model.path={path}", "prompt=hello world",
+            "sampling.max_tokens=12", "sampling.ignore_eos=true"]
+    one = subprocess.run([sys.executable, *args, f"hydra.run.dir={tmp_path / 'one'}"], capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 0, one.stderr
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *args,
+                          "parallel.tensor=2", f"hydra.run.dir={tmp_path / 'two'}"], capture_output=True, text=True,
+                         timeout=180, env=env)
+    assert two.returncode == 0, two.stderr[-3000:]
+    def text(out: str) -> list[str]:  # the prompt and the completion (the summary line has timings)
+        return [line for line in out.splitlines() if line.strip() and not line.startswith("[summary]")]
+
+    assert len(text(one.stdout)) >= 3 and text(two.stdout) == text(one.stdout)
+
+
+def test_two_parallel_engines_live_in_one_process(hf_checkpoint):
+    """Each engine has its own groups (not torch.distributed's default one): a tensor- and an expert-parallel engine
+    side by side, stepping in turns."""
+    path = hf_checkpoint("mixtral")
+    one, _ = _run(path)
+    with LLM(model=str(path), overrides=["parallel.tensor=2"]) as a, \
+            LLM(model=str(path), overrides=["parallel.expert=2"]) as b:
+        for llm in (a, b, a):
+            _assert_same(one, [(o.token_ids, o.logprobs, o.error) for o in llm.generate(PROMPTS, GREEDY)])
