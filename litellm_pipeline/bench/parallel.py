@@ -13,6 +13,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
+
 from litellm_pipeline.bench.speculative import _run
 from litellm_pipeline.sampling import SamplingParams
 
@@ -32,15 +34,25 @@ def measure_parallel(build: Callable[[Path, dict], Any], path: Path, cfg: dict, 
     rng = random.Random(seed)
     prompts = [[rng.randrange(3, cfg["vocab_size"]) for _ in range(prompt_len)] for _ in range(requests)]
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    engines = {label: build(path, {"cache.enable_prefix_caching": False, **o}) for label, o in splits(moe).items()}
+    # torch's threads are the process's: the driver of a parallel engine takes its share of the cores, a single
+    # process all of them; each run gets its own count back
+    default_threads = torch.get_num_threads()
+    threads = {}
+    engines = {}
+    for label, o in splits(moe).items():
+        engines[label] = build(path, {"cache.enable_prefix_caching": False, **o})
+        threads[label] = torch.get_num_threads()
+        torch.set_num_threads(default_threads)
     rows = []
     try:
-        for engine in engines.values():
+        for label, engine in engines.items():
+            torch.set_num_threads(threads[label])
             _run(engine, prompts[:1], 1, sp)  # warm
         for batch in batches:
             got: dict[str, list[dict]] = {label: [] for label in engines}
             for r in range(rounds):
                 for label in (engines if r % 2 == 0 else list(reversed(list(engines)))):
+                    torch.set_num_threads(threads[label])
                     got[label].append(_timed(engines[label], prompts, batch, sp))
             first_outputs = got["1 rank"][0]["outputs"]
             for label, runs in got.items():
@@ -53,9 +65,10 @@ def measure_parallel(build: Callable[[Path, dict], Any], path: Path, cfg: dict, 
                     "same": runs[0]["outputs"] == first_outputs,
                 })
     finally:
+        torch.set_num_threads(default_threads)
         for engine in engines.values():
             engine.close()
-    return {"model": name, "prompt_len": prompt_len, "output_len": output_len, "requests": requests, "rows": rows}
+    return {"model": name, "threads": threads, "prompt_len": prompt_len, "output_len": output_len, "requests": requests, "rows": rows}
 
 
 def _timed(engine, prompts: list, batch: int, sp: SamplingParams) -> dict:
