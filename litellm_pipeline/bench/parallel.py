@@ -68,7 +68,8 @@ def measure_parallel(build: Callable[[Path, dict], Any], path: Path, cfg: dict, 
         torch.set_num_threads(default_threads)
         for engine in engines.values():
             engine.close()
-    return {"model": name, "threads": threads, "prompt_len": prompt_len, "output_len": output_len, "requests": requests, "rows": rows}
+    return {"model": name, "threads": threads, "prompt_len": prompt_len, "output_len": output_len,
+            "requests": requests, "rows": rows}
 
 
 def _timed(engine, prompts: list, batch: int, sp: SamplingParams) -> dict:

@@ -274,3 +274,24 @@ def test_two_parallel_engines_live_in_one_process(hf_checkpoint):
             LLM(model=str(path), overrides=["parallel.expert=2"]) as b:
         for llm in (a, b, a):
             _assert_same(one, [(o.token_ids, o.logprobs, o.error) for o in llm.generate(PROMPTS, GREEDY)])
+
+
+def test_the_bench_section_counts_the_collectives_of_each_split(hf_checkpoint):
+    """bench.parallel: one process, tensor=2 and expert=2 on a 2-layer MoE model; tensor=2 runs 6 collectives a step
+    (the embedding, attention and MoE block of 2 layers, the LM head's gather), expert=2 two (the MoE blocks)."""
+    from litellm_pipeline.bench.parallel import measure_parallel
+    from litellm_pipeline.bench.report import parallel_table
+    from litellm_pipeline.config.build import build_engine
+    from litellm_pipeline.config.compose import compose
+
+    path = hf_checkpoint("mixtral")
+
+    def build(p, extra):
+        return build_engine(compose([f"model.path={p}", *(f"{k}={v}" for k, v in extra.items())]))
+
+    got = measure_parallel(build, path, {"vocab_size": 384, "num_local_experts": 4}, "tiny", [1], 2, 8, 4, 1, 0)
+    rows = {r["split"]: r for r in got["rows"]}
+    assert set(rows) == {"1 rank", "tensor=2", "expert=2"} and all(r["same"] for r in rows.values())
+    assert rows["tensor=2"]["collectives_per_step"] == 6 and rows["expert=2"]["collectives_per_step"] == 2
+    assert rows["tensor=2"]["collective_ms_per_step"] > 0 and rows["1 rank"]["steps"] == 0
+    assert "tensor=2" in "\n".join(parallel_table([got]))
