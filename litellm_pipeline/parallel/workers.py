@@ -11,21 +11,21 @@ past 0 serve the driver (:func:`serve_torchrun`).
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
-import os
-import signal
 import io
 import json
+import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import torch
@@ -148,7 +148,6 @@ def start_driver(app, mc, device: torch.device) -> Member:
         for r in range(1, world):
             procs.append(_spawn(state, r, init, backend, region.path if region is not None else "-"))
     driver = Driver(world, procs, region, p.timeout_s)
-    atexit.register(driver.close)  # a normal exit stops the workers (a killed driver: they watch for it)
     try:
         joined: dict[str, Any] = {}
         joiner = threading.Thread(target=lambda: joined.update(
@@ -190,6 +189,9 @@ class Driver:
         self.tensor_parallel = False
         self.copies = 0  # KV block copies sent to the workers
         self.forwards = 0  # model steps sent to the workers
+        # an engine dropped without close(), or still open at exit: its workers are stopped all the same (a killed
+        # driver: they watch for it and exit)
+        self._reap = weakref.finalize(self, _reap, procs, region)
 
     # ---- start
     def wait_ready(self) -> None:
@@ -250,11 +252,14 @@ class Driver:
         self.broken = why
         return ParallelError(why)
 
-    def _send(self, msg: tuple) -> None:
+    def _usable(self) -> None:
         if self.broken is not None:
             raise ParallelError(self.broken)
         if self.closed:
             raise ParallelError("parallel: the engine was closed (its workers are gone)")
+
+    def _send(self, msg: tuple) -> None:
+        self._usable()
         self.sent += 1
         try:
             if self.region is not None:
@@ -266,6 +271,7 @@ class Driver:
 
     # ---- what the workers mirror
     def forward(self, input_ids, meta, kv_caches, plan, rope_seq_lens, logits) -> None:
+        self._usable()
         if kv_caches is not self.hot_kv:
             raise ParallelError("parallel: a model call with KV caches other than the engine's (the workers hold only "
                                 "the engine's own)")
@@ -301,13 +307,24 @@ class Driver:
                 proc.popen.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        for proc in self.procs:
-            if proc.exitcode is None:
-                proc.popen.kill()
-                proc.popen.wait(5.0)
-        if self.region is not None:
-            self.region.remove()
+        self._reap()
         self.cmd_group = None  # the groups' connections close with them
+        self.hot_kv = None  # the KV cache is given back with the engine
+
+
+def _reap(procs: list, region: SharedRegion | None) -> None:
+    """Stop what is left of ``procs`` (SIGTERM, then SIGKILL) and remove the shared region."""
+    for proc in procs:
+        if proc.exitcode is None:
+            proc.popen.terminate()
+    for proc in procs:
+        try:
+            proc.popen.wait(2.0)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            proc.popen.wait(5.0)
+    if region is not None:
+        region.remove()
 
 
 # ---- commands: pickled, tensors as their raw bytes (torch's own tensor pickling costs ~0.3 ms a step)

@@ -8,6 +8,7 @@ an error naming it.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -141,6 +142,15 @@ def test_close_and_with_leave_no_process(hf_checkpoint):
         out.raise_error()
     with LLM(model=str(path), overrides=["parallel.tensor=2"]) as llm2:
         pids = _worker_pids(llm2)
+    assert not any(_alive(p) for p in pids)
+    dropped = LLM(model=str(path), overrides=["parallel.tensor=2"])  # never closed: dropping it stops its workers
+    pids = _worker_pids(dropped)
+    assert dropped.generate(PROMPTS[0], GREEDY)[0].error is None
+    del dropped
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
 
 
@@ -295,3 +305,19 @@ def test_the_bench_section_counts_the_collectives_of_each_split(hf_checkpoint):
     assert rows["tensor=2"]["collectives_per_step"] == 6 and rows["expert=2"]["collectives_per_step"] == 2
     assert rows["tensor=2"]["collective_ms_per_step"] > 0 and rows["1 rank"]["steps"] == 0
     assert "tensor=2" in "\n".join(parallel_table([got]))
+
+
+@pytest.mark.parametrize("method", ["tier", "draft"])
+def test_speculative_decoding_under_tensor_parallelism(hf_checkpoint, method):
+    """Drafts from a cheaper tier of the split model (its forwards reach the workers) or from a separate draft model
+    on the driver alone; verification through the split model keeps one process's greedy tokens."""
+    path = hf_checkpoint("mixtral")
+    one, _ = _run(path)
+    spec = [f"speculative={method}", "speculative.adaptive=false", "speculative.disable_by_batch_size=null"]
+    if method == "draft":
+        spec.append(f"speculative.model={hf_checkpoint('mixtral', seed=1)}")
+    with LLM(model=str(path), overrides=["parallel.tensor=2", *spec]) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    for (tok1, _, _), out in zip(one, outs):
+        assert out.error is None and out.token_ids == tok1
+    assert sum(o.num_draft_tokens for o in outs) > 0
