@@ -81,6 +81,12 @@ class Engine:
     def tokenizer(self):
         return self.rt.tokenizer
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can no longer run its model (a parallel engine that lost a rank), or None."""
+        member = self.rt.parallel
+        return member.driver.broken if member is not None and member.driver is not None else None
+
     def close(self) -> None:
         """Give back what outlives the engine object: a parallel engine's worker processes (stopped, or killed
         where they do not stop). Idempotent; an engine of one process holds nothing such."""

@@ -250,6 +250,7 @@ class Driver:
         if why is None:
             why = f"parallel: a collective failed on rank 0: {exc}"
         self.broken = why
+        self._reap()  # the engine cannot step any more: the other workers go now, not at close()
         return ParallelError(why)
 
     def _usable(self) -> None:

@@ -142,7 +142,12 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        """200 while serving; 503 while starting or draining."""
+        """200 while serving; 503 while starting or draining, or once the engine cannot run its model any more (a
+        parallel engine that lost a rank: the reason names it)."""
+        failure = eng.failure
+        if failure is not None:
+            return JSONResponse({"status": "failed", "error": failure, "requests_in_flight": gate.in_flight},
+                                status_code=503)
         return JSONResponse({"status": "ok" if gate.status == "serving" else gate.status,
                              "requests_in_flight": gate.in_flight},
                             status_code=200 if gate.status == "serving" else 503)

@@ -112,6 +112,9 @@ def serve(app_cfg: AppConfig) -> DrainingServer:
     keys = ApiKeys.from_config(app_cfg.tenants) if app_cfg.tenants else None
     engine = build_from_app(app_cfg)
     app = build_app(engine, app_cfg.server, model_name=served_model_name(app_cfg), tenant_of=keys)
-    server = run_app(app, app_cfg.server)
+    try:
+        server = run_app(app, app_cfg.server)
+    finally:
+        engine.close()  # a parallel engine's workers
     log.info("stopped after %d request(s)", server.server_state.total_requests)
     return server
