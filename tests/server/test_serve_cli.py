@@ -130,3 +130,25 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tmp_path):
     assert err["type"] == "service_unavailable_error" and "shut down" in err["message"]
     assert not any(e["choices"][0]["finish_reason"] for e in events[:-2]), "it finished: nothing was aborted"
     assert server.wait(30) == 0  # aborted above (no finish_reason), not waited for: no wall-clock bound needed
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_sigterm_stops_a_parallel_server_and_its_worker(tmp_path):
+    """``+recipe=serve parallel.tensor=2``: the demo answers through both ranks; SIGTERM drains, exits 0 and the
+    worker process is gone with it."""
+    server = ServeProcess(tmp_path, "parallel.tensor=2")
+    try:
+        (worker,) = _children(server.proc.pid)
+        resp = httpx.post(f"{server.url}/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 4,
+                                                                  "temperature": 0}, timeout=60)
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"]
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+    assert server.wait(60) == 0
+    assert not Path(f"/proc/{worker}").exists() or "zombie" in Path(f"/proc/{worker}/status").read_text()
