@@ -6,6 +6,7 @@ Best-of-N because the question is what the hardware can do; a noisy neighbour on
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -38,6 +39,40 @@ def read_bandwidth(mb: int = 1024, repeats: int = 5, device: str | torch.device 
     return x.numel() * x.element_size() / t
 
 
+def last_level_cache_mb() -> float | None:
+    """The largest CPU cache this machine reports (sysfs), MiB; None where it says nothing."""
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        units = {"K": 1 / 1024, "M": 1.0, "G": 1024.0}
+        try:
+            sizes.append(float(text[:-1]) * units[text[-1]] if text[-1] in units else float(text) / 2**20)
+        except (ValueError, IndexError):
+            continue
+    return max(sizes) if sizes else None
+
+
+def stream_mb(mb: int) -> int:
+    """The probe's buffer: at least ``mb`` MiB and 4x the last-level cache, so that no level of cache serves it."""
+    llc = last_level_cache_mb()
+    return max(mb, int(4 * llc) if llc else 1024)
+
+
+def stream_bandwidth(mb: int = 1024, repeats: int = 5) -> float | None:
+    """Bytes/s of the C++ kernels streaming an ``mb``-MiB float32 buffer with every decode thread, each its contiguous
+    share as decode reads a weight matrix (``stream_read`` in csrc/layer_ops.cpp): the bandwidth decode can reach.
+    None where the kernels cannot be built."""
+    try:
+        from litellm_pipeline.model import cpu_kernels
+
+        run = cpu_kernels.ops().stream_read
+    except Exception:
+        return None
+    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    t = best_time(lambda: run(x), repeats)
+    return x.numel() * x.element_size() / t
+
+
 def gemv_bandwidth(mb: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32,
                    device: str | torch.device = "cpu") -> float:
     """Bytes/s of a matrix-vector product over an ``mb``-MiB square matrix: the shape of batch-1 decode."""
@@ -66,14 +101,25 @@ def measure_roofline(dtypes: list[str], mb: int, gemm_size: int, repeats: int,
                      device: str | torch.device = "cpu") -> dict:
     """``{bandwidth_gbs: {sum, gemv_<dtype>..., best}, gemm_gflops: {<dtype>: ...}}``.
 
-    ``best`` (the bandwidth the roofline uses) is the higher of the float32 reduction and float32 GEMV:
-    a dtype whose GEMV kernel cannot keep up with memory is the kernel's fault, not the roofline's.
+    ``best`` (the bandwidth the roofline uses) is the highest of the float32 reduction, the float32 GEMV and, on a
+    CPU, ``stream``: the kernels' own threads streaming a buffer 4x the last-level cache (``stream_mb``), which is
+    what decode sees (torch's ``sum`` and ``mv`` can fall well short of it: on a 2-core AMD EPYC they read 30 GB/s
+    where decode streamed its weights at 60). A dtype whose GEMV kernel cannot keep up with memory is the kernel's
+    fault, not the roofline's.
     """
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     bw = {"sum": read_bandwidth(mb, repeats, device) / 1e9}
     for name in dict.fromkeys(["float32", *dtypes]):
         bw[f"gemv_{name}"] = gemv_bandwidth(mb, repeats, dt[name], device) / 1e9
-    bw["best"] = max(bw["sum"], bw["gemv_float32"])
+    probes = [bw["sum"], bw["gemv_float32"]]
+    if torch.device(device).type == "cpu":
+        big = stream_mb(mb)
+        got = stream_bandwidth(big, repeats)
+        if got is not None:
+            bw["stream"] = got / 1e9
+            bw["stream_mb"] = big
+            probes.append(bw["stream"])
+    bw["best"] = max(probes)
     flops = {name: gemm_flops(gemm_size, repeats, dt[name], device) / 1e9 for name in dict.fromkeys(dtypes)}
     return {"bandwidth_gbs": bw, "gemm_gflops": flops, "bandwidth_mb": mb, "gemm_size": gemm_size,
             "repeats": repeats, "device": str(device)}

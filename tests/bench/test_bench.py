@@ -58,7 +58,19 @@ def test_roofline_functions_return_positive_finite_numbers():
     r = roofline.measure_roofline(["float32", "bfloat16"], mb=8, gemm_size=64, repeats=2)
     assert all(_positive(v) for v in r["bandwidth_gbs"].values())
     assert set(r["gemm_gflops"]) == {"float32", "bfloat16"} and all(_positive(v) for v in r["gemm_gflops"].values())
-    assert r["bandwidth_gbs"]["best"] == max(r["bandwidth_gbs"]["sum"], r["bandwidth_gbs"]["gemv_float32"])
+    bw = r["bandwidth_gbs"]
+    assert bw["stream_mb"] >= 4 * (roofline.last_level_cache_mb() or 0) and bw["stream_mb"] >= 8
+    assert bw["best"] == max(bw["sum"], bw["gemv_float32"], bw["stream"])
+
+
+def test_the_stream_probe_reads_every_element():
+    """The kernel the bandwidth probe times sums what it reads (split over the decode threads): nothing skipped."""
+    import torch
+
+    from litellm_pipeline.model import cpu_kernels
+
+    x = torch.arange(1_000_003, dtype=torch.float32) % 977  # not a multiple of a block or of the vector width
+    assert cpu_kernels.ops().stream_read(x) == float(x.double().sum())
 
 
 # --- workload -------------------------------------------------------------------------------------------

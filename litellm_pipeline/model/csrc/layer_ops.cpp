@@ -321,6 +321,34 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
 bool small_linear_supported() { return LLP_SIMD; }
 
 // the vector code this build runs (the bench and the tests report it)
+// The read bandwidth decode sees (the bench's roofline): every thread streams its contiguous share of ``x`` through
+// vector loads, the range split across at::parallel_for's threads as the decode kernels split a weight matrix.
+// Returns the sum (so the loads cannot be dropped); ``x`` is meant to be far larger than the last-level cache.
+double stream_read(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "stream_read: a contiguous float32 CPU tensor");
+  const float* p = x.data_ptr<float>();
+  const int64_t n = x.numel();
+  constexpr int64_t kBlock = 1 << 14;  // floats per task: 64 KiB
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<double> partial(std::max(1, at::get_num_threads()), 0.0);
+  at::parallel_for(0, blocks, 1, [&](int64_t b, int64_t e) {
+    constexpr int kLanes = 64;  // independent sums: four 16-float vectors in flight, no reassociation needed
+    float acc[kLanes] = {};
+    const int64_t lo = b * kBlock, hi = std::min(n, e * kBlock);
+    int64_t i = lo;
+    for (; i + kLanes <= hi; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) acc[j] += p[i + j];
+    double sum = 0.0;
+    for (; i < hi; ++i) sum += p[i];
+    for (int j = 0; j < kLanes; ++j) sum += acc[j];
+    partial[at::get_thread_num()] += sum;
+  });
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
 std::string simd_isa() { return LLP_AVX512 ? "avx512" : LLP_AVX2 ? "avx2" : "none"; }
 
 // whether this CPU has native 16-bit products (else the kernels' many-row 16-bit GEMMs are up-converted)
@@ -1788,6 +1816,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("small_linear_supported", &small_linear_supported);
   m.def("row_linear_path", &row_linear_path);
   m.def("simd_isa", &simd_isa);
+  m.def("stream_read(Tensor x) -> float");
   m.def("native_bf16_gemm", &native_bf16_gemm);
   m.def("native_fp16_gemm", &native_fp16_gemm);
   m.def("decode_team_runs", &decode_team_runs);
@@ -1822,6 +1851,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
   m.impl("small_linear", &small_linear);
+  m.impl("stream_read", &stream_read);
   m.impl("row_linear", &row_linear);
   m.impl("rms_norm", &rms_norm);
   m.impl("argmax_rows", &argmax_rows);
