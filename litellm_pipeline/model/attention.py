@@ -24,7 +24,8 @@ class _Workspace:
         self._bufs: dict[tuple, torch.Tensor] = {}
 
     def take(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        key = (name, like.dtype, like.device, like.shape[1:])
+        # a buffer made under inference mode cannot be written outside it: one per mode
+        key = (name, like.dtype, like.device, like.shape[1:], torch.is_inference_mode_enabled())
         buf = self._bufs.get(key)
         if buf is None or buf.shape[0] < rows:
             buf = torch.empty((max(rows, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape[1:]),

@@ -168,3 +168,16 @@ def test_end_to_end_greedy_equals_default(kernel, hf_checkpoint, monkeypatch):
     assert outs["cpu_paged"] == outs["sdpa"] == outs["default"]
     assert 1 in calls  # the kernel really ran (no silent fallback)
     assert outs["sdpa"][0] == outs["sdpa"][1]
+
+
+def test_the_gather_workspace_serves_inside_and_outside_inference_mode():
+    """A gather buffer first made during an engine step (inference mode) must not be written by a later call outside
+    it (a conformance check, a test): torch refuses in-place writes to inference tensors there."""
+    from litellm_pipeline.model.attention import gather_slots
+
+    cache = torch.randn(40, 3, 7)
+    slots = torch.tensor([5, 1, 30])
+    with torch.inference_mode():
+        inside = gather_slots(cache, slots, "regression").clone()
+    outside = gather_slots(cache, slots, "regression")
+    assert torch.equal(inside, cache[slots]) and torch.equal(outside, cache[slots])
