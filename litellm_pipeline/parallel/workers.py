@@ -180,10 +180,9 @@ class Driver:
         self.procs = procs
         self.region = region
         self.timeout_s = timeout_s
-        self.cmd_group = None
+        self._life = _Life(procs, region)
         self.start_deadline = 0.0
         self.sent = 0
-        self.broken: str | None = None
         self.closed = False
         self.hot_kv: list | None = None
         self.tensor_parallel = False
@@ -191,7 +190,7 @@ class Driver:
         self.forwards = 0  # model steps sent to the workers
         # an engine dropped without close(), or still open at exit: its workers are stopped all the same (a killed
         # driver: they watch for it and exit)
-        self._reap = weakref.finalize(self, _reap, procs, region)
+        self._stop = weakref.finalize(self, _stop, self._life)
 
     # ---- start
     def wait_ready(self) -> None:
@@ -250,7 +249,7 @@ class Driver:
         if why is None:
             why = f"parallel: a collective failed on rank 0: {exc}"
         self.broken = why
-        self._reap()  # the engine cannot step any more: the other workers go now, not at close()
+        _reap(self.procs, None)  # the engine cannot step any more: the other workers go now, not at close()
         return ParallelError(why)
 
     def _usable(self) -> None:
@@ -294,23 +293,52 @@ class Driver:
         if self.closed:
             return
         self.closed = True
-        if self.cmd_group is not None and self.broken is None:
-            try:
-                if self.region is not None:
-                    self.region.send(dumps(("stop",)), 5.0)
-                else:
-                    send_command(("stop",), self.cmd_group, 5.0)
-            except Exception:
-                pass
-        deadline = time.monotonic() + (10.0 if self.broken is None else 0.0)  # a hung rank is not waited for
-        for proc in self.procs:
-            try:
-                proc.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        self._reap()
-        self.cmd_group = None  # the groups' connections close with them
+        self._stop()
         self.hot_kv = None  # the KV cache is given back with the engine
+
+    # what stopping needs lives apart from the driver, so that a driver dropped without close() stops them too
+    @property
+    def cmd_group(self):
+        return self._life.cmd_group
+
+    @cmd_group.setter
+    def cmd_group(self, group) -> None:
+        self._life.cmd_group = group
+
+    @property
+    def broken(self) -> str | None:
+        return self._life.broken
+
+    @broken.setter
+    def broken(self, why: str | None) -> None:
+        self._life.broken = why
+
+
+class _Life:
+    def __init__(self, procs: list, region: SharedRegion | None):
+        self.procs, self.region = procs, region
+        self.cmd_group = None
+        self.broken: str | None = None
+
+
+def _stop(life: _Life) -> None:
+    """A stop command where the workers can take it, a wait for them (not for a hung one), then :func:`_reap`."""
+    if life.broken is None and (life.region is not None or life.cmd_group is not None):
+        try:
+            if life.region is not None:
+                life.region.send(dumps(("stop",)), 5.0)
+            else:
+                send_command(("stop",), life.cmd_group, 5.0)
+        except Exception:
+            pass
+    deadline = time.monotonic() + (10.0 if life.broken is None else 0.0)
+    for proc in life.procs:
+        try:
+            proc.popen.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _reap(life.procs, life.region)
+    life.cmd_group = None  # the groups' connections close with them
 
 
 def _reap(procs: list, region: SharedRegion | None) -> None:
