@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import json
 import sys
@@ -26,7 +27,7 @@ from tqdm import tqdm
 from litellm_pipeline.bench import engine_runs, llamacpp, parallel, peer, report, speculative, structured
 from litellm_pipeline.bench.machine import CpuMonitor, loadavg, machine_info
 from litellm_pipeline.bench.models import ensure_checkpoint, param_counts, resolve_model
-from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline
+from litellm_pipeline.bench.roofline import gemv_bandwidth, measure_roofline, stream_bandwidth, stream_mb
 from litellm_pipeline.bench.settings import BenchSettings, bench_settings
 from litellm_pipeline.bench.workload import batch1_item, make_workload
 from litellm_pipeline.errors import ConfigError
@@ -94,7 +95,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     mark("engine build+warmup")
     b1 = batch1_item(s.batch1_prompt_len, s.batch1_output_len, s.seed)
     rl = s.roofline
-    probe = lambda: gemv_bandwidth(rl.bandwidth_mb, min(rl.repeats, 3), torch.float32, device) / 1e9  # noqa: E731
+    probe = functools.partial(_adjacent_bandwidth, rl.bandwidth_mb, min(rl.repeats, 3), device)
     with contextlib.ExitStack() as stack:
         peers = _open_llamacpp_peers(row, path, s, items, b1, stack, bar, tag)
         if peers:
@@ -362,6 +363,12 @@ def run_bench(cfg: Any) -> dict:
     _save(result, mon, s, t_start, out, complete=True)
     print(report.render(result))
     return result
+
+
+def _adjacent_bandwidth(mb: int, repeats: int, device: str | torch.device) -> float:
+    """GB/s right before and after the batch-1 runs: on a CPU the stream probe (what decode sees), else the GEMV."""
+    got = stream_bandwidth(stream_mb(mb), repeats) if torch.device(device).type == "cpu" else None
+    return (got if got is not None else gemv_bandwidth(mb, repeats, torch.float32, device)) / 1e9
 
 
 def _measure_speculative(s: BenchSettings, base: dict, out: Path, models: list[tuple[str, dict]],

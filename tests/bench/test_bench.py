@@ -59,7 +59,7 @@ def test_roofline_functions_return_positive_finite_numbers():
     assert all(_positive(v) for v in r["bandwidth_gbs"].values())
     assert set(r["gemm_gflops"]) == {"float32", "bfloat16"} and all(_positive(v) for v in r["gemm_gflops"].values())
     bw = r["bandwidth_gbs"]
-    assert bw["stream_mb"] >= 4 * (roofline.last_level_cache_mb() or 0) and bw["stream_mb"] >= 8
+    assert bw["stream_mb"] >= max(4 * (roofline.last_level_cache_mb() or 0), 1024)
     assert bw["best"] == max(bw["sum"], bw["gemv_float32"], bw["stream"])
 
 
