@@ -179,8 +179,13 @@ class CausalLM(nn.Module):
         """Returns the last hidden states [T, H] (before the final norm; see :meth:`compute_logits`), or with
         ``logits`` the float32 logits of every row [T, V] (``compute_logits`` of them: a decode step whose rows
         all sample, which the fused decode path then runs through the LM head without leaving its kernels)."""
-        if self.mirror is not None:
+        if self.mirror is not None:  # the workers run this call too; a failure here leaves them mid-call
             self.mirror.forward(input_ids, meta, kv_caches, plan, rope_seq_lens, logits)
+            with self.mirror.call():
+                return self._forward(input_ids, meta, kv_caches, plan, rope_seq_lens, logits)
+        return self._forward(input_ids, meta, kv_caches, plan, rope_seq_lens, logits)
+
+    def _forward(self, input_ids, meta, kv_caches, plan, rope_seq_lens, logits) -> torch.Tensor:
         h = self.embed(input_ids)
         cos, sin = self.rotary.cos_sin(meta.positions, rope_seq_lens if self.dynamic_rope else None, dtype=h.dtype)
         layered = isinstance(plan, tuple)  # one plan per layer (per-layer TierSets in the batch)
@@ -224,8 +229,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head on the rows that need a next token; float32 logits [R, V] (under tensor
         parallelism every rank computes its vocabulary slice and an all-gather joins them)."""
-        if self.mirror is not None:
-            self.mirror.compute_logits(hidden)
+        if self.mirror is not None and self.mirror.compute_logits(hidden):
+            with self.mirror.call():
+                return self._logits(hidden)
         return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

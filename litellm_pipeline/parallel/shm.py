@@ -44,9 +44,9 @@ class SharedRegion:
             raise ValueError(f"shared region: at most {(_CTRL // 8 - _FLAGS) // 2} ranks")
         self.path, self.world, self.rank = path, world, rank
         size = _CTRL + CMD_BYTES + 2 * world * SLOT_BYTES
-        if create:
+        if create:  # backed now (a sparse file on a full /dev/shm would fault at the first write, not here)
             with open(path, "wb") as f:
-                f.truncate(size)
+                os.posix_fallocate(f.fileno(), 0, size)
         self._file = open(path, "r+b")
         self._map = mmap.mmap(self._file.fileno(), size)
         self.ctrl = memoryview(self._map)[:_CTRL].cast("q")
@@ -55,10 +55,15 @@ class SharedRegion:
         self.commands = 0  # commands sent (driver) or taken (worker)
 
     @classmethod
-    def create(cls, world: int) -> SharedRegion:
+    def create(cls, world: int) -> SharedRegion | None:
+        """A new region for ``world`` ranks; None where /dev/shm cannot hold it (then the ranks use gloo)."""
         fd, path = tempfile.mkstemp(prefix="litellm-parallel-", dir="/dev/shm")
         os.close(fd)
-        return cls(path, world, 0, create=True)
+        try:
+            return cls(path, world, 0, create=True)
+        except OSError:
+            os.unlink(path)
+            return None
 
     def remove(self) -> None:
         try:

@@ -11,6 +11,7 @@ past 0 serve the driver (:func:`serve_torchrun`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import io
@@ -144,11 +145,12 @@ def start_driver(app, mc, device: torch.device) -> Member:
         init = f"tcp://{p.master_addr}:{port}"
         # commands, and the collectives of CPU tensors, through shared memory (gloo over loopback is slower)
         region = SharedRegion.create(world) if shm.usable() else None
-        state = json.dumps(app.model_dump(mode="json"))
-        for r in range(1, world):
-            procs.append(_spawn(state, r, init, backend, region.path if region is not None else "-"))
     driver = Driver(world, procs, region, p.timeout_s)
     try:
+        if env is None:
+            state = json.dumps(app.model_dump(mode="json"))
+            for r in range(1, world):
+                procs.append(_spawn(state, r, init, backend, region.path if region is not None else "-"))
         joined: dict[str, Any] = {}
         joiner = threading.Thread(target=lambda: joined.update(
             groups=_join(init, 0, world, backend, p.timeout_s, p.start_timeout_s)), daemon=True)
@@ -164,6 +166,8 @@ def start_driver(app, mc, device: torch.device) -> Member:
             raise ParallelError("parallel: joining the process group failed (see the error above)")
         main, driver.cmd_group = joined["groups"]
         driver.start_deadline = deadline
+        if region is not None:  # every worker has it mapped by now: nothing is left in /dev/shm whatever happens
+            region.remove()
     except BaseException:
         driver.close()
         raise
@@ -211,6 +215,7 @@ class Driver:
                 line = proc.buf.split(b"\n", 1)[0].decode(errors="replace")
                 del waiting[fd]
                 os.close(fd)
+                proc.report = None
                 if line != "ready":
                     raise ParallelError(f"parallel: rank {r} failed to start: {line or 'it exited'}")
             self.check_alive("while loading its shard")
@@ -260,6 +265,15 @@ class Driver:
 
     def _send(self, msg: tuple) -> None:
         self._usable()
+        if not self._life.lock.acquire(timeout=self.timeout_s):
+            raise ParallelError(f"parallel: another thread held the workers for parallel.timeout_s="
+                                f"{self.timeout_s:g} s")
+        try:
+            self._send_locked(msg)
+        finally:
+            self._life.lock.release()
+
+    def _send_locked(self, msg: tuple) -> None:
         self.sent += 1
         try:
             if self.region is not None:
@@ -275,12 +289,32 @@ class Driver:
         if kv_caches is not self.hot_kv:
             raise ParallelError("parallel: a model call with KV caches other than the engine's (the workers hold only "
                                 "the engine's own)")
-        self._send(("forward", input_ids, dataclasses.replace(meta, _decode_masks={}), plan, rope_seq_lens, logits))
+        # expert parallel alone: every rank holds the whole LM head, the driver's logits are enough
+        self._send(("forward", input_ids, dataclasses.replace(meta, _decode_masks={}), plan, rope_seq_lens,
+                    logits and self.tensor_parallel))
         self.forwards += 1
 
-    def compute_logits(self, hidden: torch.Tensor) -> None:
-        if self.tensor_parallel:  # expert parallel alone: every rank holds the whole LM head, the driver's is enough
+    def compute_logits(self, hidden: torch.Tensor) -> bool:
+        """Send the LM head of ``hidden`` where it is split (tensor parallel); whether the workers run it."""
+        if self.tensor_parallel:
             self._send(("logits", hidden))
+        return self.tensor_parallel
+
+    @contextlib.contextmanager
+    def call(self):
+        """The driver's own part of a call the workers were sent: while it runs, a close() does not wait for them;
+        if it raises, the workers are left mid-call (their collectives would wait for the driver's), so the engine
+        is broken with the driver's error and the workers are stopped at once."""
+        self._life.in_call = True
+        try:
+            yield
+        except BaseException as exc:
+            if self.broken is None:
+                self.broken = f"parallel: rank 0 failed in the middle of a model call: {type(exc).__name__}: {exc}"
+                _reap(self.procs, None)
+            raise
+        finally:
+            self._life.in_call = False
 
     def copy_blocks(self, to_warm: bool, src_ids: list[int], dst_ids: list[int]) -> None:
         if src_ids:
@@ -319,19 +353,25 @@ class _Life:
         self.procs, self.region = procs, region
         self.cmd_group = None
         self.broken: str | None = None
+        self.lock = threading.Lock()  # one sender at a time (a close() from a signal handler or another thread)
+        self.in_call = False  # the workers are inside a model call: they cannot take a stop command now
 
 
 def _stop(life: _Life) -> None:
-    """A stop command where the workers can take it, a wait for them (not for a hung one), then :func:`_reap`."""
-    if life.broken is None and (life.region is not None or life.cmd_group is not None):
+    """A stop command where the workers can take it, a wait for them (not for a hung one, nor for workers in the
+    middle of a call, nor while another thread sends), then :func:`_reap`."""
+    graceful = life.broken is None and not life.in_call and life.lock.acquire(timeout=1.0)
+    if graceful:
         try:
             if life.region is not None:
                 life.region.send(dumps(("stop",)), 5.0)
-            else:
+            elif life.cmd_group is not None:
                 send_command(("stop",), life.cmd_group, 5.0)
         except Exception:
-            pass
-    deadline = time.monotonic() + (10.0 if life.broken is None else 0.0)
+            graceful = False
+        finally:
+            life.lock.release()
+    deadline = time.monotonic() + (10.0 if graceful else 0.0)
     for proc in life.procs:
         try:
             proc.popen.wait(max(0.0, deadline - time.monotonic()))
@@ -342,16 +382,17 @@ def _stop(life: _Life) -> None:
 
 
 def _reap(procs: list, region: SharedRegion | None) -> None:
-    """Stop what is left of ``procs`` (SIGTERM, then SIGKILL) and remove the shared region."""
+    """Kill what is left of ``procs`` (a stop command was tried first, or cannot be taken) and remove the region."""
     for proc in procs:
         if proc.exitcode is None:
-            proc.popen.terminate()
-    for proc in procs:
-        try:
-            proc.popen.wait(2.0)
-        except subprocess.TimeoutExpired:
             proc.popen.kill()
-            proc.popen.wait(5.0)
+        proc.popen.wait(5.0)
+        if proc.report is not None:
+            try:
+                os.close(proc.report)
+            except OSError:
+                pass
+            proc.report = None
     if region is not None:
         region.remove()
 
@@ -430,7 +471,10 @@ def _worker_main(argv: list[str]) -> None:
     """A worker process on the driver's machine: join, build its shard, serve; exit when the driver goes."""
     rank, init, backend, region_path, parent, report = (int(argv[0]), argv[1], argv[2], argv[3], int(argv[4]),
                                                         int(argv[5]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the driver handles it
+    # Ctrl-C and a SIGTERM to the whole process group reach the workers too: the driver handles them (it drains, then
+    # stops them); a worker whose driver is gone exits on its own (watch_parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def watch_parent() -> None:
         while os.getppid() == parent:
@@ -532,7 +576,8 @@ def serve_torchrun(cfg) -> int:
     backend = backend_for(p.backend, resolve_device(app.device.type), _local_world(world))
     main, cmd_group = _join("env://", rank, world, backend, p.timeout_s, p.start_timeout_s)
     rt = _build_worker(app, rank, int(os.environ.get("LOCAL_RANK", 0)), main)
-    receive_command(cmd_group)  # the driver's "ready": every rank has its shard
+    if receive_command(cmd_group)[0] == "stop":  # the driver's "ready" (every rank has its shard), or its end
+        return 0
     return serve(rt, cmd_group, rank)
 
 

@@ -271,6 +271,10 @@ def run(cfg) -> dict:
 
     plain = to_plain(cfg)
     s = calibrate_settings(plain.get("calibrate"))
+    par = plain.get("parallel") or {}
+    if max(par.get("tensor", 1), par.get("expert", 1)) > 1:
+        raise ConfigError("calibrate: measures one process's layers on scratch KV caches; run it without "
+                          "parallel.tensor / parallel.expert (the profile is per machine, not per split)")
     engine = build_engine(plain)
     name = model_name(plain)
     profile = calibrate(engine, s, plain["model"].get("path") is None, name)

@@ -321,3 +321,41 @@ def test_speculative_decoding_under_tensor_parallelism(hf_checkpoint, method):
     for (tok1, _, _), out in zip(one, outs):
         assert out.error is None and out.token_ids == tok1
     assert sum(o.num_draft_tokens for o in outs) > 0
+
+
+def test_a_driver_failure_mid_call_breaks_the_engine_at_once(hf_checkpoint):
+    """The driver's own part of a step raises after the workers were sent it (their collectives would wait for the
+    driver's): the engine is broken with the driver's error, the worker is stopped now, nobody waits for a timeout."""
+    path = hf_checkpoint("llama")
+    with LLM(model=str(path), overrides=["parallel.tensor=2", "parallel.timeout_s=60"]) as llm:
+        (pid,) = _worker_pids(llm)
+        attn = llm.engine.rt.model.layers[1].self_attn
+        real = attn.attn_fn
+
+        def broken(*args, **kwargs):
+            attn.attn_fn = real
+            raise MemoryError("no room for the scores")
+
+        attn.attn_fn = broken
+        t0 = time.monotonic()
+        out = llm.generate(PROMPTS[0], GREEDY)[0]
+        assert time.monotonic() - t0 < 30
+        assert out.finish_reason == "error" and "MemoryError: no room for the scores" in out.error
+        assert "rank 0 failed in the middle of a model call: MemoryError" in llm.engine.failure
+        assert not _alive(pid)
+        assert "rank 0 failed" in llm.generate(PROMPTS[1], GREEDY)[0].error
+
+
+def test_the_shared_region_leaves_nothing_in_dev_shm(hf_checkpoint):
+    with LLM(model=str(hf_checkpoint("llama")), overrides=["parallel.tensor=2"]) as llm:
+        region = llm.engine.rt.parallel.driver.region
+        assert region is not None and not os.path.exists(region.path)  # unlinked once every rank mapped it
+        assert llm.generate(PROMPTS[0], GREEDY)[0].error is None
+
+
+def test_calibrate_refuses_a_split_engine():
+    from litellm_pipeline.config.compose import compose
+    from litellm_pipeline.tasks.calibrate import run
+
+    with pytest.raises(ConfigError, match="calibrate: measures one process"):
+        run(compose(["+recipe=calibrate", "parallel.expert=2"]))
