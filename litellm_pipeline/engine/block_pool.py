@@ -44,6 +44,11 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self.cached)
 
+    @property
+    def num_idle_cached(self) -> int:
+        """Cached blocks no request holds: kept for prefix hits, evictable (the policy's candidates)."""
+        return len(self.policy)
+
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free
 

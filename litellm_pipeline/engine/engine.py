@@ -441,9 +441,14 @@ class Engine:
             StepFinished(
                 len(schedule), prefill, decode, time.perf_counter() - t0,
                 len(load.running), len(load.waiting), pool.num_free, pool.num_blocks - pool.num_free,
-                self._warm_used(), pool.num_blocks,
+                self._warm_used(), pool.num_blocks, *self._cached(),
             )
         )
+
+    def _cached(self) -> tuple[int, int]:
+        """Blocks the prefix cache keeps that no request holds: hot, warm."""
+        warm = self.rt.kv.warm
+        return self.rt.pool.num_idle_cached, warm.pool.num_idle_cached if warm is not None else 0
 
     def _warm_used(self) -> int:
         warm = self.rt.kv.warm  # O(1): slots in use are those an allocation cannot get
@@ -488,7 +493,7 @@ class Engine:
                 load, pool = self.rt.scheduler.load(), self.rt.pool
                 self.bus.publish(RequestAborted(
                     req.request_id, req.tenant, len(req.output_ids), len(load.running), len(load.waiting),
-                    pool.num_blocks - pool.num_free, self._warm_used(), pool.num_blocks,
+                    pool.num_blocks - pool.num_free, self._warm_used(), pool.num_blocks, *self._cached(),
                 ))
             return request_output(req)
 

@@ -152,6 +152,8 @@ class RequestAborted(Event):
     used_blocks: int = 0  # hot blocks referenced by requests (cached but unreferenced ones are not used)
     warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
     total_blocks: int = 0  # hot blocks in the pool
+    cached_blocks: int = 0  # hot blocks the prefix cache keeps that no request holds
+    warm_cached_blocks: int = 0  # warm-tier slots holding cached prefixes
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +212,8 @@ class StepFinished(Event):
     used_blocks: int = 0  # hot blocks referenced by requests (num_blocks - free_blocks)
     warm_used_blocks: int = 0  # warm-tier slots holding swapped-out requests
     total_blocks: int = 0  # hot blocks in the pool
+    cached_blocks: int = 0  # hot blocks the prefix cache keeps that no request holds
+    warm_cached_blocks: int = 0  # warm-tier slots holding cached prefixes
 
 
 @dataclass(frozen=True, slots=True)

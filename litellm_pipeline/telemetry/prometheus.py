@@ -112,6 +112,9 @@ class PrometheusSink:
         self.blocks_used = Gauge(PREFIX + "kv_blocks_used",
                                  "KV blocks held by requests: hot (device) and warm (host, swapped out).",
                                  ("pool",), registry=r)
+        self.blocks_cached = Gauge(PREFIX + "kv_blocks_cached",
+                                   "KV blocks the prefix cache keeps that no request holds (evictable): hot and warm.",
+                                   ("pool",), registry=r)
         self.kv_usage = Gauge(PREFIX + "kv_cache_usage_perc",
                               "Fraction of the hot KV blocks held by requests (1 = full).", registry=r)
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
@@ -252,5 +255,7 @@ class PrometheusSink:
         self.waiting.set(e.num_waiting)
         self.blocks_used.labels("hot").set(e.used_blocks)
         self.blocks_used.labels("warm").set(e.warm_used_blocks)
+        self.blocks_cached.labels("hot").set(e.cached_blocks)
+        self.blocks_cached.labels("warm").set(e.warm_cached_blocks)
         if e.total_blocks:
             self.kv_usage.set(e.used_blocks / e.total_blocks)

@@ -20,7 +20,7 @@ NAMES = [
     "request_queue_time_seconds", "num_requests_running", "num_requests_waiting", "kv_blocks_used",
     "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens",
     "request_success", "request_rejected", "tier_selections", "budget_infeasible", "budget_violations",
-    "kv_cache_usage_perc",
+    "kv_cache_usage_perc", "kv_blocks_cached",
 ]
 
 

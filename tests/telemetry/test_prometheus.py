@@ -47,6 +47,20 @@ def test_sink_counts_what_the_engine_did(llm):
     assert got[("num_requests_running", ())] == 0 and got[("kv_blocks_used", (("pool", "hot"),))] == 0
 
 
+def test_blocks_the_prefix_cache_keeps_are_counted(llm):
+    """A finished request's prompt blocks stay cached for the next one: no request holds them (kv_blocks_used 0)
+    but the cache does, and kv_blocks_cached shows them; a second identical prompt hits them."""
+    sink = llm.engine.bus.sink(PrometheusSink)
+    prompt = "copy:abcdefghijklmnopqrstuvwxyz0123456789="  # 2 full 16-token blocks
+    first = llm.generate(prompt, GREEDY)[0]
+    got = samples(sink.render().decode())
+    assert got[("kv_blocks_used", (("pool", "hot"),))] == 0
+    cached = got[("kv_blocks_cached", (("pool", "hot"),))]
+    assert cached >= len(first.prompt_token_ids) // 16 and cached == llm.engine.rt.pool.num_idle_cached
+    assert got[("kv_blocks_cached", (("pool", "warm"),))] == 0
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens >= 16
+
+
 def test_gauges_follow_an_abort_with_no_step_after_it(llm):
     sink = llm.engine.bus.sink(PrometheusSink)
     stream = llm.stream("copy:abcdef=", SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
