@@ -36,7 +36,7 @@ from litellm_pipeline.model.config import ModelConfig
 from litellm_pipeline.model.expert_offload import ExpertOffload
 from litellm_pipeline.model.decoder import CausalLM
 from litellm_pipeline.model.loader import load_model, load_model_config
-from litellm_pipeline.parallel.workers import Member, start_driver, threads_per_rank
+from litellm_pipeline.parallel.workers import Member, local_world, start_driver, threads_per_rank
 from litellm_pipeline.speculative import SpeculativeSettings, Speculator
 from litellm_pipeline.telemetry import build_bus
 from litellm_pipeline.text.tokenizer import Tokenizer
@@ -257,7 +257,7 @@ def _build(app: AppConfig, mc: ModelConfig, path, device: torch.device, dtype: t
         device = member.device  # a GPU rank's own GPU
     worker = member is not None and member.driver is None
     if member is not None and app.device.type == "cpu" and not app.device.threads:
-        torch.set_num_threads(threads_per_rank(app, int(os.environ.get("LOCAL_WORLD_SIZE", member.comm.world))))
+        torch.set_num_threads(threads_per_rank(app, local_world(member.comm.world)))
     if worker:
         sinks = []  # the driver alone counts and reports
     kv_heads = shard.local_kv_heads(mc) if shard is not None else None

@@ -75,7 +75,8 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return d
 
 
-def _local_world(world: int) -> int:
+def local_world(world: int) -> int:
+    """Ranks on this machine: torchrun's LOCAL_WORLD_SIZE, else all ``world`` (the workers started here)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))
 
 
@@ -128,7 +129,7 @@ def start_driver(app, mc, device: torch.device) -> Member:
     p = app.parallel
     world = max(p.tensor, p.expert)
     shard = make_shard(p.tensor, p.expert, 0, mc)  # refuses a split the model cannot take before anything starts
-    backend = backend_for(p.backend, device, _local_world(world))
+    backend = backend_for(p.backend, device, local_world(world))
     env = torchrun_env()
     procs: list = []
     region = None
@@ -573,7 +574,7 @@ def serve_torchrun(cfg) -> int:
                           f"{max(p.tensor, p.expert)}")
     from litellm_pipeline.config.build import resolve_device
 
-    backend = backend_for(p.backend, resolve_device(app.device.type), _local_world(world))
+    backend = backend_for(p.backend, resolve_device(app.device.type), local_world(world))
     main, cmd_group = _join("env://", rank, world, backend, p.timeout_s, p.start_timeout_s)
     rt = _build_worker(app, rank, int(os.environ.get("LOCAL_RANK", 0)), main)
     if receive_command(cmd_group)[0] == "stop":  # the driver's "ready" (every rank has its shard), or its end

@@ -65,12 +65,17 @@ def _worker_pids(llm) -> list[int]:
     return [p.pid for p in llm.engine.rt.parallel.driver.procs]
 
 
+def _split_matches_one_process(path, split: str):
+    """The split engine (closed) after checking its tokens and logprobs against one process's."""
+    one, _ = _run(path)
+    par, llm = _run(path, [split])
+    _assert_same(one, par)
+    return llm
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tensor_parallel_matches_one_process(hf_checkpoint, arch):
-    path = hf_checkpoint(arch)
-    one, _ = _run(path)
-    par, llm = _run(path, ["parallel.tensor=2"])
-    _assert_same(one, par)
+    llm = _split_matches_one_process(hf_checkpoint(arch), "parallel.tensor=2")
     model = llm.engine.rt.model
     attn = model.layers[0].self_attn
     assert model.embed_tokens.shape[0] == 384 // 2  # the vocabulary split
@@ -80,10 +85,7 @@ def test_tensor_parallel_matches_one_process(hf_checkpoint, arch):
 
 @pytest.mark.parametrize("arch", MOE)
 def test_expert_parallel_matches_one_process(hf_checkpoint, arch):
-    path = hf_checkpoint(arch)
-    one, _ = _run(path)
-    par, llm = _run(path, ["parallel.expert=2"])
-    _assert_same(one, par)
+    llm = _split_matches_one_process(hf_checkpoint(arch), "parallel.expert=2")
     moe = llm.engine.rt.model.layers[0].mlp
     assert moe.experts == (0, 2) and moe.w13.shape[0] == 2  # rank 0 holds experts 0 and 1 of 4
     assert llm.engine.rt.model.layers[0].self_attn.num_heads == 4  # attention whole on every rank

@@ -320,7 +320,6 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
 
 bool small_linear_supported() { return LLP_SIMD; }
 
-// the vector code this build runs (the bench and the tests report it)
 // The read bandwidth decode sees (the bench's roofline): every thread streams its contiguous share of ``x`` through
 // vector loads, the range split across at::parallel_for's threads as the decode kernels split a weight matrix.
 // Returns the sum (so the loads cannot be dropped); ``x`` is meant to be far larger than the last-level cache.
@@ -349,6 +348,7 @@ double stream_read(const at::Tensor& x) {
   return total;
 }
 
+// the vector code this build runs (the bench and the tests report it)
 std::string simd_isa() { return LLP_AVX512 ? "avx512" : LLP_AVX2 ? "avx2" : "none"; }
 
 // whether this CPU has native 16-bit products (else the kernels' many-row 16-bit GEMMs are up-converted)
