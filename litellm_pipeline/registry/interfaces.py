@@ -386,7 +386,10 @@ class Proposer(Protocol):
     overwritten by verification. ``release(request)``: the request ended (free what is kept for it). The time
     ``propose`` and ``fill`` take is measured: the engine's adaptive drafting weighs it, with the verified rows,
     against the tokens a draft is expected to add. ``draft_price`` (a ``Price``, default None): what a drafted
-    token costs at list price, for ``CostRecord.speculation_monetary``.
+    token costs at list price, for ``CostRecord.speculation_monetary``. ``free`` (default False): True for a
+    proposer whose ``propose`` costs next to nothing (a lookup, no model, no ``fill``); the engine then also asks
+    it for requests that do not draft and scores what they generate against its answer (a shadow draft), so their
+    acceptance stays known without verifying rows.
     """
 
     def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> Sequence[Sequence[int]]:

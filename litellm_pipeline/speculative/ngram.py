@@ -17,6 +17,8 @@ _ITEM = array("i").itemsize
 class NgramProposer:
     """``max_n``/``min_n``: the longest and shortest suffix looked up (longest first)."""
 
+    free = True  # a lookup: the speculator may ask it for requests that do not draft, to keep their acceptance known
+
     def __init__(self, rt=None, max_n: int = 4, min_n: int = 1):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"speculative.params: need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
@@ -36,6 +38,10 @@ class NgramProposer:
         if n < len(req.output_ids):
             buf.extend(req.output_ids[n:])
         return buf
+
+    def release(self, req: Request) -> None:
+        """The request ended: its tokens go (the speculator calls this when it finishes, however it ends)."""
+        self._seqs.pop(id(req), None)
 
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
         return [self.lookup(self._tokens(r), k) for r, k in zip(reqs, ks)]

@@ -60,6 +60,12 @@ class SpecState:
     missed: float = 0.0
     resume_at: int = 0  # the output length at which it decides again (after a decision not to draft)
     wait: int = 1
+    # a free proposer's draft made in a step the request did not draft (see Speculator.propose), and the output
+    # length it was made at: the tokens generated since tell what a verification would have kept, for nothing
+    shadow: list[int] | None = None
+    shadow_at: int = 0
+    shadow_seen: int = 0  # its tokens already learned
+    probe: bool = True  # it still looks up at each decision: until a lookup found nothing or a shadow missed at once
 
 
 class StepCosts:
@@ -137,6 +143,9 @@ class Speculator:
         self._draft_price = getattr(proposer, "draft_price", None)  # a tier draft's Price per token
         self._fills = getattr(proposer, "fill", None)
         self._releases = getattr(proposer, "release", None)
+        # a proposer that says its drafts cost next to nothing (``free = True``: a lookup, no model) is asked for the
+        # requests that do not draft too, so their acceptance stays measured where drafting has stopped
+        self._shadows = bool(getattr(proposer, "free", False)) and self._fills is None
 
     def _state(self, req: Request) -> SpecState:
         st = req.spec_state
@@ -167,6 +176,8 @@ class Speculator:
                 continue  # constrained (its matcher sees one token at a time)
             st = self._state(r)
             n_out = len(r.output_ids)
+            if st.shadow is not None and n_out > st.shadow_at:
+                self._settle(r, st)
             if n_out < st.resume_at:
                 continue  # it decided not to draft: it decides again at this output length
             # the step yields up to k + 1 tokens: none past max_tokens or the context
@@ -177,6 +188,20 @@ class Speculator:
         if reqs and self.adaptive:
             if decoding:  # a step of decodes (and drafts) alone, where something is decided: what it costs counts
                 self._measure = n
+            if self._shadows:  # requests still probing look first (and keep a shadow); the others decide as usual
+                probe_r, probe_k, rest_r, rest_k = [], [], [], []
+                for r, k in zip(reqs, ks):
+                    if r.spec_state.probe:
+                        probe_r.append(r)
+                        probe_k.append(k)
+                    else:
+                        rest_r.append(r)
+                        rest_k.append(k)
+                if probe_r:
+                    self._look_then_decide(n, probe_r, probe_k)
+                if not rest_r:
+                    return
+                reqs, ks = rest_r, rest_k
             reqs, ks = self._worth(n, reqs, ks)
         if not reqs:
             return
@@ -194,6 +219,62 @@ class Speculator:
                 r.draft = list(d[:k])
             else:  # asked and given nothing: the step yields one token, as where the first drafted one misses
                 self._learn(r, 0.0, 1.0)
+
+    def _look_then_decide(self, n: int, reqs: list[Request], ks: list[int]) -> None:
+        """A free proposer drafts for every deciding request first (one call); a request whose lookup found nothing
+        counts a miss and waits, the others draft as much of theirs as pays; what is not drafted becomes the
+        request's shadow (unless one is pending), so what it would have kept is learned for nothing."""
+        try:  # its time stays in the step's: paid whatever is drafted, it is no cost of drafted tokens
+            drafts = self.proposer.propose(reqs, ks)
+        except Exception:
+            self._failed("propose")
+            return
+        found, limits = [], []
+        for r, k, d in zip(reqs, ks, drafts):
+            if d:
+                found.append((r, d))
+                limits.append(min(k, len(d)))
+            else:  # nothing found: a draft would have yielded the one token a step yields anyway
+                self._learn(r, 0.0, 1.0)
+                self._wait(r.spec_state, len(r.output_ids))
+                r.spec_state.probe = False
+        if not found:
+            return
+        picked, picked_ks = self._worth(n, [r for r, _ in found], limits)  # a subsequence of them, in order
+        j = 0
+        for r, d in found:
+            st = r.spec_state
+            if j < len(picked) and picked[j] is r:
+                r.draft = list(d[: picked_ks[j]])
+                st.shadow = None  # its verification tells what the shadow would
+                j += 1
+            elif st.shadow is None:
+                st.shadow, st.shadow_at, st.shadow_seen = list(d), len(r.output_ids), 0
+
+    def _settle(self, r: Request, st: SpecState) -> None:
+        """The tokens generated since the request's shadow draft against the draft, learned as a verification of it
+        would have been: each token it got right as it comes, the first miss (if any) once."""
+        shadow, at = st.shadow, st.shadow_at + st.shadow_seen
+        got = r.output_ids[at : st.shadow_at + len(shadow)]
+        kept, miss = 0, False
+        for d, t in zip(shadow[st.shadow_seen :], got):
+            if d != t:
+                miss = True
+                break
+            kept += 1
+        st.shadow_seen += kept
+        if miss or st.shadow_seen == len(shadow):
+            st.shadow = None
+        if kept or miss:
+            self._learn(r, kept, 1.0 if miss else 0.0)
+        if miss and not kept:  # wrong from its first token: this request stops looking up (and decides as others do)
+            st.probe = False
+
+    @staticmethod
+    def _wait(st: SpecState, n_out: int) -> None:
+        """Not drafting: decided again after 1, 2, 4 ... output tokens (up to _MAX_WAIT) while it stays so."""
+        st.resume_at = n_out + st.wait
+        st.wait = min(2 * st.wait, _MAX_WAIT)
 
     def _curve(self, n: int) -> list[float] | None:
         """What a step of ``n`` requests costs with 0, 1, 2 ... tokens asked (rows and proposer), grown on demand and
@@ -228,14 +309,15 @@ class Speculator:
         for r, k_max in zip(reqs, ks):
             st = r.spec_state
             a = st.kept / (st.kept + st.missed)
-            best_k, best = 0, tokens / self._cost(n, curve, asked) * _MARGIN
+            self._cost(n, curve, asked + k_max)  # the curve grown as far as this request may look
+            best_k, best, best_gain = 0, tokens / curve[asked] * _MARGIN, 0.0
             gain, p = 0.0, 1.0  # a + ... + a^k
             for k in range(1, k_max + 1):
                 p *= a
                 gain += p
-                rate = (tokens + gain) / self._cost(n, curve, asked + k)
+                rate = (tokens + gain) / curve[asked + k]
                 if rate > best:
-                    best_k, best = k, rate
+                    best_k, best, best_gain = k, rate, gain
             self._decisions += 1
             if self._decisions >= _EXPLORE_EVERY:  # each other k in turn, when the budget covers it
                 self._decisions = 0
@@ -244,15 +326,14 @@ class Speculator:
                 if extra <= self._explore_budget:
                     self._explore_budget -= max(extra, 0.0)
                     self._explored += 1
-                    best_k = other
-            if not best_k:  # decided again after 1, 2, 4 ... output tokens (up to _MAX_WAIT) while it stays so
-                st.resume_at = len(r.output_ids) + st.wait
-                st.wait = min(2 * st.wait, _MAX_WAIT)
+                    best_k, best_gain = other, expected_tokens(other, a) - 1
+            if not best_k:
+                self._wait(st, len(r.output_ids))
                 continue
             st.wait = 1
             out_r.append(r)
             out_k.append(best_k)
-            tokens += expected_tokens(best_k, a) - 1
+            tokens += best_gain
             asked += best_k
         return out_r, out_k
 
@@ -285,6 +366,10 @@ class Speculator:
             self._failed("fill")
             for r in reqs:
                 r.draft = []
+        else:
+            for r in reqs:
+                if not r.draft:  # the draft ended at once (its first token ends the request): the step yields one
+                    self._learn(r, 0.0, 1.0)  # token, as where the first drafted one misses
         self._draft_s += time.perf_counter() - t0
         return True
 

@@ -122,3 +122,85 @@ def test_a_draft_that_costs_more_than_it_yields_is_given_up(path):
     assert outs["slow"].num_draft_tokens == 4
     # the same drafts for free: every token is kept, so it drafts nearly every step
     assert outs["free"].num_accepted_tokens >= 40
+
+
+class _Lookup:
+    """A free proposer that drafts ``script[len(output):]`` (what the request will generate), counting its calls."""
+
+    free = True
+
+    def __init__(self, script):
+        self.script, self.calls = script, 0
+
+    def propose(self, reqs, ks):
+        self.calls += 1
+        return [self.script[len(r.output_ids):len(r.output_ids) + k] for r, k in zip(reqs, ks)]
+
+
+def _running(out):
+    return SimpleNamespace(num_computed=10 + len(out), num_tokens=11 + len(out), matcher=None, spec_state=None,
+                           spec_tokens=None, output_ids=out, params=SimpleNamespace(max_tokens=99), draft=[])
+
+
+def test_a_free_proposer_learns_from_requests_that_do_not_draft():
+    script = list(range(100, 140))
+    prop = _Lookup(script)
+    s = Speculator(prop, SpeculativeSettings("x", 4), max_model_len=999)
+    s.costs.observe(1, 1, 1.0)
+    s.costs.observe(1, 5, 2.0)
+    s.kept, s.missed = 0.01, 9.99  # the engine's recent drafts all failed: a new request starts expecting none
+    req = _running([script[0]])
+    s.propose([req])
+    assert req.draft == [] and req.spec_state.shadow == script[1:5]  # not worth a row, but looked up for free
+    assert prop.calls == 1
+    for t in script[1:3]:  # two of the shadow's tokens come true: it would have kept them, so it decides now
+        req.output_ids.append(t)
+        req.num_computed += 1
+        req.num_tokens += 1
+        s.propose([req])
+    assert req.draft and req.draft == script[3:3 + len(req.draft)]
+    assert req.spec_state.shadow is None  # drafting now: its verification tells the rest
+
+
+def test_a_shadow_that_misses_at_once_counts_a_miss_and_ends_the_lookups():
+    prop = _Lookup([7] * 50)  # always drafts 7s; the request never makes one
+    s = Speculator(prop, SpeculativeSettings("x", 4), max_model_len=999)
+    s.costs.observe(1, 1, 1.0)
+    s.costs.observe(1, 5, 3.0)
+    req = _running([1])
+    calls = []
+    for i in range(40):
+        s.propose([req])
+        calls.append(prop.calls)
+        req.output_ids.append(1)
+        req.num_computed += 1
+        req.num_tokens += 1
+    st = req.spec_state
+    assert st.kept / (st.kept + st.missed) < 0.5  # the shadow's miss counted against the neutral start
+    assert prop.calls == 1  # wrong from its first token: it stops looking up (and waits 1, 2, 4 ... tokens)
+    assert st.resume_at - len(req.output_ids) >= 8
+
+
+def test_a_proposer_that_is_not_free_is_asked_only_to_draft():
+    prop = _Lookup(list(range(100, 140)))
+    prop.free = False
+    s = Speculator(prop, SpeculativeSettings("x", 4), max_model_len=999)
+    s.costs.observe(1, 1, 1.0)
+    s.costs.observe(1, 5, 2.0)
+    s.kept, s.missed = 0.01, 9.99
+    req = _running([100])
+    s.propose([req])
+    assert req.draft == [] and prop.calls == 0 and req.spec_state.shadow is None
+
+
+def test_a_draft_filled_to_nothing_counts_a_miss():
+    def fill(reqs):
+        for r in reqs:
+            r.draft = []  # the draft model's first token ends the request
+
+    s = Speculator(SimpleNamespace(propose=None, fill=fill), SpeculativeSettings("x", 4), max_model_len=99)
+    req = _req(5.0, 0.0)
+    req.draft = [3, 3]
+    before = s.missed
+    assert s.fill([(req, 3)])
+    assert req.spec_state.missed == 1.0 and s.missed == pytest.approx(before * 0.9 + 1.0)

@@ -42,3 +42,15 @@ def test_bad_parameters():
     with pytest.raises(ValueError, match="min_n <= max_n"):
         NgramProposer(None, max_n=1, min_n=2)
 
+
+
+def test_finished_requests_are_not_kept():
+    from litellm_pipeline import LLM
+    from litellm_pipeline.sampling import SamplingParams
+
+    llm = LLM(overrides=["speculative=ngram"])
+    sp = SamplingParams(max_tokens=8, temperature=0)
+    outs = llm.generate(["copy:abc12=", "copy:x7z=", "sort:3917="], sp)
+    stream = list(llm.stream("copy:q1w2=", sp))
+    assert outs[0].text == "abc12" and "".join(d.text for d in stream) == "q1w2"
+    assert llm.engine.speculator.proposer._seqs == {}  # their tokens (and the requests) went when they ended
