@@ -184,7 +184,7 @@ class Engine:
             req.generator = torch.Generator(device="cpu").manual_seed(seed)
         req.detokenizer = IncrementalDetokenizer(self.rt.tokenizer, req.prompt_ids, p.skip_special_tokens)
         if p.logprobs is not None:
-            req.logprobs, req.text_offsets = [], []
+            req.logprobs, req.text_offsets, req.text_ends = [], [], []
         self.requests[req.request_id] = req
         self.rt.scheduler.add(req)
         if self.bus.enabled:
@@ -346,8 +346,7 @@ class Engine:
             if req.logprobs is not None:
                 req.logprobs.append(logprobs)
             if req.text_offsets is not None:
-                at = e.text_offset if e is not None else None
-                req.text_offsets.append(at if at is not None else len(req.text))
+                self._place_text(req, e)
             if req.first_token_time is None:
                 req.first_token_time = now
                 if self.bus.enabled:
@@ -370,6 +369,20 @@ class Engine:
                 tuple(r.tierset.name if r.tierset is not None else None for r in gap_reqs),
             ))
         return [request_output(*o) if isinstance(o, list) else o for o in outputs.values()]
+
+    @staticmethod
+    def _place_text(req: Request, e) -> None:
+        """Where the new token's text starts and ends in ``req.text``; tokens whose text the detokenizer held back
+        end where the next one starts (the last of them holds what came out, the others read empty)."""
+        at = e.text_offset if e is not None and e.text_offset is not None else len(req.text)
+        offsets, ends = req.text_offsets, req.text_ends
+        k = len(ends)
+        while k and ends[k - 1] is None:
+            k -= 1
+        for j in range(k, len(ends)):
+            ends[j] = offsets[j + 1] if j + 1 < len(offsets) else at
+        offsets.append(at)
+        ends.append(None if e is not None and e.held else max(at, len(req.text)))
 
     def _verify(self, ctx: StepContext):
         """Speculative decoding's outcome: each speculating entry keeps the draft tokens the sample stage

@@ -70,6 +70,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
     text_offsets: list[int] | None = None  # where each output token's text starts in ``text`` (with logprobs)
+    # where each output token's text ends (with logprobs): None while the detokenizer holds it back (part of a
+    # character), then the start of the token after it
+    text_ends: list[int | None] | None = None
     num_computed: int = 0  # tokens of prompt+output whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks
@@ -183,6 +186,7 @@ class Emission(NamedTuple):
     delta_text: str
     finish_reason: str | None  # "stop" / "length" / None; the engine enforces token limits regardless
     text_offset: int | None = None
+    held: bool = False  # the detokenizer holds the token's text back (part of a character): its end is not known
 
 
 @dataclass
@@ -200,6 +204,9 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None
     tier: str | None = None
     text_offsets: list[int] | None = None  # with logprobs: where each token's text starts in ``text``
+    # with logprobs: where each token's text ends (None: not known yet); ``text[text_offsets[i]:text_ends[i]]``
+    # is the i-th token's part of the text, and the parts join to the text
+    text_ends: list[int | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # set when the request failed (finish_reason "error")
     error_id: str | None = None  # the id of that failure in the log
@@ -225,6 +232,7 @@ def request_output(req: Request, delta_text: str = "", delta_ids: list[int] | No
         finish_reason=req.finish_reason,
         logprobs=req.logprobs,
         text_offsets=req.text_offsets,
+        text_ends=req.text_ends,
         tier=req.tierset.name if req.tierset else None,
         num_cached_tokens=req.num_cached_tokens,
         cost=(req.cost or req.cost_record()) if req.finished else None,

@@ -94,6 +94,7 @@ _broken: dict[str, str] = {}  # plugin -> error text
 _skipped: dict[str, str] = {}  # plugin -> why the filter refused it
 _plugins: dict[str, Origin] = {}  # every plugin seen by the last scan
 _hidden: dict[str, list[tuple[str, str, Any]]] = {}  # plugin -> (kind, name, obj) it registered, now refused
+_clashes: dict[str, dict[str, str]] = {k: {} for k in KINDS}  # kind -> name -> why: plugins that share the name
 _loaded: set[str] = set()  # litellm_pipeline.plugins entry points already loaded (never called twice)
 _filter_settings: tuple[tuple[str, ...] | None, tuple[str, ...]] = (None, ())  # the config's (allow, deny)
 _active_filter: PluginFilter | None = None  # the filter of the last scan (config and environment)
@@ -172,7 +173,9 @@ def add(kind: str, name: str, obj: Any) -> None:
                 f"{getattr(prev, '__module__', '?')}.{getattr(prev, '__qualname__', prev)!s}"
             )
         _entries[kind][name] = obj
-        _origins[kind][name] = _loading if _loading is not None else _run_time_origin(obj)
+        # a built-in imported while a plugin loads (the plugin imports the module) is still a built-in
+        run_time = _run_time_origin(obj)
+        _origins[kind][name] = run_time if run_time.builtin or _loading is None else _loading
 
 
 def remove(kind: str, name: str) -> None:
@@ -300,9 +303,45 @@ def load_plugins(force: bool = False) -> dict[str, str]:
                 _loaded.add(ep.name)
                 _load_eager(ep, origin)
         for kind in KINDS:
-            for ep in _entry_points(f"litellm_pipeline.{kind}"):
+            for name in _clashes[kind]:  # found again below if they still clash
+                _broken.pop(f"{kind}:{name}", None)
+            _clashes[kind].clear()
+            eps = _entry_points(f"litellm_pipeline.{kind}")
+            for ep in _clashing(kind, eps, flt):
                 _scan_lazy(kind, ep, flt)
         return dict(_broken)
+
+
+def _clashing(kind: str, eps: list[metadata.EntryPoint], flt: PluginFilter) -> list[metadata.EntryPoint]:
+    """The entry points of ``kind`` less those whose name another allowed plugin also gives (a different object):
+    neither is used, both are broken plugins with an error naming both, and a lookup of the name says so."""
+    by_name: dict[str, list[metadata.EntryPoint]] = {}
+    for ep in eps:
+        by_name.setdefault(ep.name, []).append(ep)
+    keep = []
+    for name, group in by_name.items():
+        allowed = {(ep.value, _dist_of(ep)): ep for ep in group
+                   if flt.refusal(ep.name, f"{kind}:{ep.name}", _dist_of(ep)) is None}
+        if len({value for value, _ in allowed}) < 2:
+            # one allowed (the others kept out by the filter, which is said as for any plugin): it alone is scanned,
+            # since they share the plugin's name ``kind:name``
+            keep.extend(group if len(group) == 1 or not allowed else allowed.values())
+            continue
+        both = " and ".join(f"{value} (distribution {dist or '?'})" for value, dist in sorted(allowed, key=str))
+        why = (f"duplicate {kind} name {name!r}: {both} both register it, so neither is used "
+               "(uninstall one, or keep one out with plugins.deny)")
+        _clashes[kind][name] = why
+        _broken[f"{kind}:{name}"] = why
+        _plugins[f"{kind}:{name}"] = entry_point_origin(group[0], f"{kind}:{name}")
+        if _lazy[kind].pop(name, None) is not None:
+            _origins[kind].pop(name, None)
+        warnings.warn(f"litellm_pipeline plugins: {why}", stacklevel=4)
+    return keep
+
+
+def _dist_of(ep: metadata.EntryPoint) -> str | None:
+    dist = getattr(ep, "dist", None)
+    return dist.metadata["Name"] if dist is not None else None
 
 
 def set_plugin_filter(allow: Iterable[str] | None = None, deny: Iterable[str] = ()) -> None:
@@ -350,7 +389,7 @@ def load_all() -> None:
                     pass
 
 
-_STATE = ("_entries", "_origins", "_lazy", "_broken", "_skipped", "_plugins", "_hidden", "_loaded",
+_STATE = ("_entries", "_origins", "_lazy", "_broken", "_skipped", "_plugins", "_hidden", "_loaded", "_clashes",
           "_filter_settings", "_active_filter", "_plugins_loaded")
 
 
@@ -405,6 +444,8 @@ def get(kind: str, name: str) -> Any:
     with _lock:
         if name in _entries[kind]:
             return _entries[kind][name]
+        if name in _clashes[kind]:
+            raise RegistryError(_clashes[kind][name])
         if name in _lazy[kind]:
             ep = _lazy[kind].pop(name)
             plugin = f"{kind}:{name}"

@@ -81,6 +81,7 @@ class ChoiceState:
     content: list[dict[str, Any]] = field(default_factory=list)
     reader: ToolCallReader | None = None  # chat with tools: the text read back as tool calls
     tool_deltas: list[dict[str, Any]] = field(default_factory=list)  # the stream deltas of the latest add()
+    listed: int = 0  # output tokens whose logprobs were given
 
     def add(self, out: RequestOutput, token_text: TokenText) -> tuple[str, dict | None]:
         """Take one delta; returns its text and its logprobs in this choice's format (None if not asked)."""
@@ -91,24 +92,48 @@ class ChoiceState:
             self.tool_deltas = self.reader.feed(out.delta_text) + (self.reader.finish() if out.finished else [])
         if self.top_k is None or out.logprobs is None:
             return out.delta_text, None
-        # out.logprobs is the request's whole (growing) list: this delta's tokens are its tail
-        start = len(out.token_ids) - len(out.delta_token_ids)
-        entries = [self._entry(t, out.logprobs[start + k], token_text.at_start if start + k == 0 else token_text)
-                   for k, t in enumerate(out.delta_token_ids)]
+        # out.logprobs is the request's whole (growing) list; a token is given once its part of the text is out
+        entries, offsets = [], []
+        for i, start, end in self._ready(out):
+            entries.append(self._entry(out.token_ids[i], out.logprobs[i], token_text.at_start if i == 0 else token_text,
+                                       self.text[start:end]))
+            offsets.append(start)
         if self.chat:
             self.content += entries
             return out.delta_text, {"content": entries}
         delta = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        # where the engine's detokenizer put each token's text (a sentencepiece word's leading space included)
-        for (token, lp, top), at in zip(entries, out.text_offsets[start:]):
+        for (token, lp, top), at in zip(entries, offsets):
             for key, value in zip(delta, (token, lp, top, at)):
                 delta[key].append(value)
         for key in delta:
             getattr(self, key).extend(delta[key])
         return out.delta_text, delta
 
-    def _entry(self, token_id: int, lps: dict[int, float], token_text: TokenText):
-        token, lp = token_text(token_id), _logprob(lps.get(token_id, float("-inf")))
+    def _ready(self, out: RequestOutput) -> list[tuple[int, int, int]]:
+        """``(index, start, end)`` of the output tokens not given yet whose part of the text is out: ``text[start:end]``
+        (the engine's offsets; a token whose text the detokenizer still holds back waits, as its text does). Once
+        finished, the tokens that start at or after the text's end are never given: the end-of-sequence or stop
+        token that ended it, and what a stop string cut off. So the tokens join to the text."""
+        offsets, ends, n = out.text_offsets, out.text_ends, len(self.text)
+        got, i = [], self.listed
+        while i < len(out.token_ids):
+            start, end = offsets[i], ends[i]
+            if out.finished:
+                if start >= n:
+                    break
+                end = n if end is None else min(end, n)
+            elif end is None or end > n:
+                break
+            got.append((i, start, end))
+            i += 1
+        self.listed = len(out.token_ids) if out.finished else i
+        return got
+
+    def _entry(self, token_id: int, lps: dict[int, float], token_text: TokenText, text: str | None = None):
+        """One token's logprobs: ``text`` its part of the output text (default: how the token reads alone);
+        the alternatives read as tokens do."""
+        token = token_text(token_id) if text is None else text
+        lp = _logprob(lps.get(token_id, float("-inf")))
         # the engine's dict holds the sampled token and the top k; the top k are the k highest
         top = sorted(lps.items(), key=lambda kv: -kv[1])[: self.top_k]
         if not self.chat:

@@ -42,7 +42,10 @@ class Emit(Stage):
             if reason != "stop" and req.params.stop and self._stop_string(req, prev_len):
                 reason = "stop"  # the text ends at the stop string: what the detokenizer holds comes after it
             elif reason is not None:
-                req.text += req.detokenizer.flush()  # a character cut off by the end is still shown
+                released = req.detokenizer.flush()  # a character cut off by the end is still shown
+                req.text += released
+                if released and reason == "stop":  # the held tokens' text: the stop token's (none) comes after it
+                    prev_len = len(req.text)
             for f in filters:
                 if self._filter(f, req):
                     reason = "stop"
@@ -50,7 +53,8 @@ class Emit(Stage):
             at = min(prev_len + req.detokenizer.last_lead, len(req.text))
             if reason is not None:
                 ended.add(key)
-            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, at))
+            out.append(Emission(req, self._delta(req, reason is not None, filter_hold), reason, at,
+                                req.detokenizer.holding))
         ctx.emissions = out
 
     @staticmethod

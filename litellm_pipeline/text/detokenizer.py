@@ -43,6 +43,12 @@ class IncrementalDetokenizer:
         self.last_lead = 0
         return self._emit(final=False)
 
+    @property
+    def holding(self) -> bool:
+        """Whether tokens added are held back (their text ends in part of a character): the next text that
+        comes out carries theirs."""
+        return self._read_offset < len(self.output_ids)
+
     def flush(self) -> str:
         """Emit whatever is held back (an incomplete trailing character) once generation has ended."""
         return self._emit(final=True)

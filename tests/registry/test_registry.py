@@ -343,3 +343,52 @@ def test_every_builtin_registration_is_found_without_a_list():
         assert name in registry.names(kind), (kind, name)
         assert module in eager or lazy.get(kind, {}).get(name) == module, (module, kind, name)
     assert not {m for m, _, _ in found if "triton" in m} & set(eager)  # triton stays out of a plain import
+
+
+def test_two_plugins_giving_one_name_are_an_error_naming_both(tmp_path, monkeypatch, fresh_registry):
+    """Two installed distributions whose per-kind entry points share a name: neither is used, both are broken
+    plugins with an error naming both, and a lookup says why; denying one lets the other in."""
+    from fake_dists import write_dist
+
+    sampler = """
+        class TwinSampler:
+            def __call__(self, logits, rows):
+                raise NotImplementedError
+    """
+    write_dist(tmp_path, "twin-a", "1.0", "[litellm_pipeline.sampler]\ntwin_sampler = twin_a_mod:TwinSampler\n",
+               {"twin_a_mod.py": sampler})
+    write_dist(tmp_path, "twin-b", "2.0", "[litellm_pipeline.sampler]\ntwin_sampler = twin_b_mod:TwinSampler\n",
+               {"twin_b_mod.py": sampler})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.warns(UserWarning, match="twin_sampler"):
+            broken = registry.load_plugins(force=True)
+        why = broken["sampler:twin_sampler"]
+        for part in ("twin_a_mod:TwinSampler", "twin_b_mod:TwinSampler", "twin-a", "twin-b", "duplicate"):
+            assert part in why
+        assert "twin_sampler" not in registry.names("sampler")
+        with pytest.raises(RegistryError, match="twin_a_mod:TwinSampler.*twin_b_mod:TwinSampler"):
+            registry.get("sampler", "twin_sampler")
+        registry.set_plugin_filter(deny=["twin-b"])
+        assert "sampler:twin_sampler" not in registry.load_plugins()
+        assert registry.get("sampler", "twin_sampler") is sys.modules["twin_a_mod"].TwinSampler
+    finally:
+        for mod in ("twin_a_mod", "twin_b_mod"):
+            sys.modules.pop(mod, None)
+
+
+def test_built_ins_a_plugin_imports_while_loading_stay_built_ins():
+    """Plugins loaded first (as ``pytest --litellm-conformance`` does) import built-in modules themselves: what those
+    register is still built in, not the plugin's."""
+    import subprocess
+
+    code = (
+        "from litellm_pipeline import registry\n"
+        "registry.load_plugins()\n"
+        "wrong = [(k, n, str(registry.origin(k, n))) for k in registry.KINDS for n, obj in registry._entries[k].items()\n"
+        "         if getattr(obj, '__module__', '').startswith('litellm_pipeline.') and not registry.origin(k, n).builtin]\n"
+        "print(wrong)\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "[]"

@@ -97,27 +97,48 @@ def test_completion_logprobs(demo_server, reference):
     prompt = PROMPTS[0]
     (ref,) = reference.generate(prompt, greedy(10, logprobs=2))
     resp = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, logprobs=2)
-    lp = resp.choices[0].logprobs
-    assert len(lp.tokens) == len(ref.token_ids) == len(lp.token_logprobs) == len(lp.top_logprobs)
+    text, lp = resp.choices[0].text, resp.choices[0].logprobs
+    # the end-of-sequence token that ended it is not in the text, so not among the tokens: they join to the text
+    assert ref.finish_reason == "stop" and ref.token_ids[-1] in reference.tokenizer.eos_token_ids
+    n = len(ref.token_ids) - 1
+    assert len(lp.tokens) == n == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert "".join(lp.tokens) == text == ref.text
     tok = reference.tokenizer
-    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids]
+    assert lp.tokens == [tok.decode([t], skip_special_tokens=False) for t in ref.token_ids[:n]]
     for got, want_id, want in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
         assert got == pytest.approx(want[want_id], abs=1e-5)
     for top, sampled in zip(lp.top_logprobs, lp.token_logprobs):
         assert len(top) == 2 and max(top.values()) == pytest.approx(sampled)  # greedy: the best is the one taken
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
-    # past its end of sequence: "</s>" is among the tokens but not in the text, so it adds no characters
+    assert resp.usage.completion_tokens == len(ref.token_ids)  # usage still counts it
+    # past its end of sequence: "</s>" is a token the text skips, so it reads as nothing there
+    (ref,) = reference.generate("12+345=", greedy(8, ignore_eos=True, logprobs=0))
     resp = client.completions.create(model="demo", prompt="12+345=", max_tokens=8, temperature=0, logprobs=0,
                                      extra_body={"ignore_eos": True})
     text, lp = resp.choices[0].text, resp.choices[0].logprobs
-    assert "</s>" in lp.tokens[:-1] and "</s>" not in text
-    at = 0
-    for token, offset in zip(lp.tokens, lp.text_offset):
-        assert offset == at, (lp.tokens, lp.text_offset, text)
-        if token != "</s>":
-            assert text[offset:offset + len(token)] == token
-            at += len(token)
-    assert at == len(text)
+    eos_at = next(i for i, t in enumerate(ref.token_ids) if t in reference.tokenizer.eos_token_ids)
+    assert eos_at < len(lp.tokens) - 1 and lp.tokens[eos_at] == "" and "</s>" not in text
+    assert "".join(lp.tokens) == text
+    assert lp.token_logprobs == pytest.approx([d[t] for d, t in zip(ref.logprobs, ref.token_ids)][:len(lp.tokens)],
+                                              abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+
+
+def test_logprobs_stop_at_a_stop_string(demo_server):
+    """A stop string cuts the text: the tokens it cut off are not listed, streamed or not, and what is listed
+    joins to the text."""
+    client = demo_server.openai()
+    full = client.completions.create(model="demo", prompt="12+345=", max_tokens=8, temperature=0).choices[0].text
+    assert full == "357"
+    resp = client.completions.create(model="demo", prompt="12+345=", max_tokens=8, temperature=0, logprobs=1,
+                                     stop=["57"])
+    (choice,) = resp.choices
+    assert choice.text == "3" and choice.finish_reason == "stop"
+    assert choice.logprobs.tokens == ["3"] and choice.logprobs.text_offset == [0]
+    chunks = list(client.completions.create(model="demo", prompt="12+345=", max_tokens=8, temperature=0,
+                                            logprobs=1, stop=["57"], stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == ["3"] and "".join(c.choices[0].text for c in chunks if c.choices) == "3"
 
 
 def test_completion_top_logprobs_keep_the_likeliest_of_tokens_that_read_alike():
@@ -176,7 +197,9 @@ def test_chat_equals_offline_generate_streaming_and_not(chat_server, reference):
     assert choice.message.role == "assistant" and choice.message.content == ref.text
     assert choice.finish_reason == ref.finish_reason and resp.usage.prompt_tokens == len(ref.prompt_token_ids)
     content = choice.logprobs.content
-    assert len(content) == len(ref.token_ids)
+    # the end-of-sequence token that ended it is not in the text: the entries are the text's tokens
+    assert ref.token_ids[-1] in reference.tokenizer.eos_token_ids and len(content) == len(ref.token_ids) - 1
+    assert "".join(e.token for e in content) == ref.text
     for entry, tid, want in zip(content, ref.token_ids, ref.logprobs):
         assert entry.logprob == pytest.approx(want[tid], abs=1e-5)
         assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 1

@@ -18,6 +18,9 @@ from litellm_pipeline.sampling.samplers import GreedySampler
 class ArgmaxSampler(GreedySampler):
     """Argmax of every row, ignoring the sampling parameters (only ``logprobs`` is honoured)."""
 
+    # what ``pytest --litellm-conformance`` passes its check: it never draws, so the kit checks no draws
+    conformance = {"stochastic": False}
+
     def __init__(self, **params: Any) -> None:
         if params:
             raise ValueError(f"sampler 'example_argmax' takes no parameters (got {sorted(params)})")

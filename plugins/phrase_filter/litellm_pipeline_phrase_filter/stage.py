@@ -46,6 +46,8 @@ class PhraseFilter(Stage):
     level = "step"
     inputs = ("samples",)
     outputs = ("text_filters",)
+    # what ``pytest --litellm-conformance`` passes check_stage: words to mask and a phrase to stop at
+    conformance = {"params": {"redact": ["secret", "ell"], "stop": ["7"]}}
 
     def __init__(self, rt, redact: Sequence[str] = (), stop: Sequence[str] = (), mask: str = "*",
                  ignore_case: bool = False):
