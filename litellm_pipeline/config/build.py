@@ -197,6 +197,10 @@ def tenant_policies(app: AppConfig) -> dict[str, TenantPolicy]:
             for name, t in app.tenants.items()}
 
 
+def _takes_var_kwargs(cls: Any) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(cls).parameters.values())
+
+
 def build_engine(cfg: DictConfig | Mapping[str, Any]) -> Engine:
     app = validate_config(to_plain(cfg))
     return build_from_app(app)
@@ -324,6 +328,14 @@ def _build(app: AppConfig, mc: ModelConfig, path, device: torch.device, dtype: t
     sched_kwargs = {}
     if "weights" in inspect.signature(sched_cls).parameters:  # a fair-share scheduler: the tenants' weights
         sched_kwargs["weights"] = {name: p.weight for name, p in policies.items()}
+    shares = {name: (p.max_kv_fraction, p.min_kv_fraction) for name, p in policies.items()
+              if p.max_kv_fraction is not None or p.min_kv_fraction is not None}
+    if shares:
+        if "kv_shares" not in inspect.signature(sched_cls).parameters and not _takes_var_kwargs(sched_cls):
+            raise ConfigError(
+                f"invalid config:\ntenants: max_kv_fraction / min_kv_fraction ({', '.join(shares)}) need a scheduler "
+                f"that keeps KV shares, but engine.scheduler={app.engine.scheduler!r} takes no kv_shares")
+        sched_kwargs["kv_shares"] = shares
     scheduler = sched_cls(
         kv, app.engine.max_num_seqs, app.engine.max_num_batched_tokens, app.engine.preemption, bus=bus,
         **sched_kwargs,

@@ -278,12 +278,28 @@ class TenantSection(_Section):
     max_queued: int | None = Field(default=None, ge=1)  # requests waiting for a batch slot
     max_spend: float | None = _Quota  # monetary units (tier prices) per spend_window_s
     spend_window_s: float = Field(default=3600.0, gt=0, allow_inf_nan=False)
+    # shares of the hot KV pool (blocks its running requests hold): at most max_kv_fraction; min_kv_fraction is
+    # guaranteed (a tenant within it is never preempted for one above its own, and reclaims blocks to start)
+    max_kv_fraction: float | None = Field(default=None, gt=0, le=1, allow_inf_nan=False)
+    min_kv_fraction: float | None = Field(default=None, ge=0, le=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _shares(self) -> "TenantSection":
+        if self.min_kv_fraction is not None and self.max_kv_fraction is not None \
+                and self.min_kv_fraction > self.max_kv_fraction:
+            raise ValueError(f"min_kv_fraction ({self.min_kv_fraction}) must not exceed max_kv_fraction "
+                             f"({self.max_kv_fraction})")
+        return self
 
 
 def check_tenants(tenants: Mapping[str, TenantSection]) -> None:
     """What one tenant's schema cannot see: names and keys across tenants (ConfigError naming the key path)."""
     if "" in tenants:
         raise ConfigError("invalid config:\ntenants: a tenant name must not be empty ('' is the default tenant)")
+    guaranteed = {name: t.min_kv_fraction for name, t in tenants.items() if t.min_kv_fraction}
+    if sum(guaranteed.values()) > 1.0 + 1e-9:
+        raise ConfigError("invalid config:\ntenants: the min_kv_fraction guarantees add up to more than the whole "
+                          f"KV pool ({' + '.join(f'{n} {v}' for n, v in guaranteed.items())} > 1)")
     owner: dict[str, str] = {}
     for name, t in tenants.items():
         for i, digest in enumerate(t.api_key_sha256):

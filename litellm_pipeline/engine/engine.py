@@ -454,9 +454,17 @@ class Engine:
             StepFinished(
                 len(schedule), prefill, decode, time.perf_counter() - t0,
                 len(load.running), len(load.waiting), pool.num_free, pool.num_blocks - pool.num_free,
-                self._warm_used(), pool.num_blocks, *self._cached(),
+                self._warm_used(), pool.num_blocks, *self._cached(), self._tenant_blocks(load.running),
             )
         )
+
+    @staticmethod
+    def _tenant_blocks(running) -> tuple[tuple[str, int], ...]:
+        """(tenant, hot blocks its running requests hold) per tenant with one running."""
+        held: dict[str, int] = {}
+        for r in running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
+        return tuple(held.items())
 
     def _cached(self) -> tuple[int, int]:
         """Blocks the prefix cache keeps that no request holds: hot, warm."""
@@ -507,6 +515,7 @@ class Engine:
                 self.bus.publish(RequestAborted(
                     req.request_id, req.tenant, len(req.output_ids), len(load.running), len(load.waiting),
                     pool.num_blocks - pool.num_free, self._warm_used(), pool.num_blocks, *self._cached(),
+                    self._tenant_blocks(load.running),
                 ))
             return request_output(req)
 

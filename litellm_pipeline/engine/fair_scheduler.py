@@ -112,6 +112,32 @@ class FairQueue:
             self._retire(t)
         return req
 
+    def first(self, skip: set[str]) -> Request | None:
+        """The head of the backlogged tenant with the smallest virtual time that is not in ``skip``."""
+        best = None
+        for t, q in self._queues.items():
+            if t not in skip and (best is None or (self._vtime[t], self._live[t]) < best[0]):
+                best = ((self._vtime[t], self._live[t]), q[0])
+        return None if best is None else best[1]
+
+    def take(self, req: Request) -> None:
+        """Start ``req``, the head of its tenant's queue, charging its tenant as :meth:`popleft` does (the clock
+        moves only when it is the tenant next in turn)."""
+        t = req.tenant
+        if self._queues[self._head()][0] is req:
+            self.popleft()
+            return
+        q = self._queues[t]
+        if not q or q[0] is not req:
+            raise ValueError("only the head of a tenant's queue starts")
+        q.popleft()
+        self._len -= 1
+        self._vtime[t] += self._charge(req)
+        if q:
+            self._push(t)
+        else:
+            self._retire(t)
+
     def remove(self, req: Request) -> None:
         q = self._queues.get(req.tenant)
         if q is None:
@@ -154,5 +180,11 @@ class FairScheduler(FcfsScheduler):
     """
 
     def __init__(self, *args: Any, weights: Mapping[str, float] | None = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)  # fcfs's (kv, max_num_seqs, max_num_batched_tokens, preemption, bus)
+        super().__init__(*args, **kwargs)  # fcfs's (kv, max_num_seqs, max_num_batched_tokens, preemption, bus, ...)
         self.waiting = FairQueue(weights)  # type: ignore[assignment]  # the deque operations fcfs uses
+
+    def _first_waiting(self, skip: set[str]) -> Request | None:
+        return self.waiting.first(skip)
+
+    def _take_waiting(self, req: Request) -> None:
+        self.waiting.take(req)

@@ -8,6 +8,20 @@ tokens left to compute, and a new one first takes whatever prefix the KV cache a
 When hot KV blocks run out, the least important running request (see ``victim``) is preempted: by
 ``swap`` (its blocks parked in the warm pool, restored on resume) or by ``recompute`` (blocks freed, its
 tokens recomputed later, partly from the prefix cache). Either way it resumes with identical output.
+
+Tenants' KV shares (``kv_shares``, from ``conf/tenants``' ``max_kv_fraction`` / ``min_kv_fraction``) apply to the
+hot pool's blocks that a tenant's running requests hold (a shared prefix block counts for each holder):
+
+* **cap** (``max_kv_fraction``): a waiting request does not start while its tenant's blocks plus the blocks of its
+  known tokens would pass the cap (the next waiting request of another tenant is considered instead), and a running
+  request that would pass it makes its own tenant give way: that tenant's newest request not yet scheduled this
+  step is preempted (possibly itself). A tenant's only request may pass its cap (it could never finish otherwise);
+* **guarantee** (``min_kv_fraction``): a tenant within its guarantee is preempted only for a tenant also within
+  its own; a waiting request that fits in its tenant's guarantee but not in the free blocks preempts a request of
+  a tenant above its guarantee to start;
+* when blocks run out, the victim is a request of a tenant over its cap, else of a tenant above its guarantee,
+  else (within guarantees) as without shares; within each, the scheduler's own order (``victim``: the newest,
+  or the least urgent priority).
 """
 
 from __future__ import annotations
@@ -15,7 +29,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from typing import Literal
+from dataclasses import dataclass
+from typing import Literal, Mapping
 
 from litellm_pipeline.engine.kv_cache_manager import KVCacheManager
 from litellm_pipeline.engine.request import Request, RequestStatus
@@ -26,6 +41,21 @@ from litellm_pipeline.telemetry import EventBus, RequestPreempted, RequestSchedu
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
+
+
+@dataclass(frozen=True)
+class KVShare:
+    """One tenant's share of the hot pool, in blocks: at most ``max_blocks`` (None: no cap), ``min_blocks``
+    guaranteed (0: none)."""
+
+    max_blocks: int | None
+    min_blocks: int = 0
+
+    @classmethod
+    def of(cls, fractions: tuple[float | None, float | None], num_blocks: int) -> "KVShare":
+        """From ``(max_kv_fraction, min_kv_fraction)`` of a pool of ``num_blocks``."""
+        high, low = fractions
+        return cls(None if high is None else max(1, int(high * num_blocks)), int((low or 0.0) * num_blocks))
 
 
 @register("scheduler", "fcfs")
@@ -39,6 +69,7 @@ class FcfsScheduler:
         max_num_batched_tokens: int,
         preemption: Literal["recompute", "swap"] = "recompute",
         bus: EventBus | None = None,
+        kv_shares: Mapping[str, tuple[float | None, float | None]] | None = None,
     ):
         self.kv = kv
         self.bus = bus if bus is not None else EventBus()
@@ -49,6 +80,10 @@ class FcfsScheduler:
         self.preemption = preemption
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # tenant -> its KV share (empty: no shares, and none of their bookkeeping runs); blocks held per tenant
+        self.shares: dict[str, KVShare] = {
+            t: KVShare.of(f, kv.hot.num_blocks) for t, f in (kv_shares or {}).items() if f != (None, None)}
+        self._held: dict[str, int] = {}
 
     # ---- ordering policy (subclasses change these two)
     def add(self, req: Request) -> None:
@@ -82,6 +117,8 @@ class FcfsScheduler:
             self.kv.trim(req)
 
     def preempt(self, req: Request) -> None:
+        if self.shares:
+            self._held[req.tenant] = self._held.get(req.tenant, 0) - len(req.block_ids)
         self.running.remove(req)
         req.draft = []  # proposed for a step it is not in
         self.kv.trim(req)
@@ -94,7 +131,7 @@ class FcfsScheduler:
             self.kv.free(req)
             req.num_computed = 0
         if self.bus.enabled:
-            self.bus.publish(RequestPreempted(req.request_id, mode))
+            self.bus.publish(RequestPreempted(req.request_id, mode, req.tenant))
         self.requeue(req)
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
@@ -130,6 +167,9 @@ class FcfsScheduler:
 
     def schedule(self) -> list[tuple[Request, int]]:
         self.kv.expire_sessions()
+        shares = bool(self.shares)
+        if shares:
+            self._count_held()
         budget = self.max_num_batched_tokens
         plan: list[tuple[Request, int]] = []
         preempted = False
@@ -138,36 +178,166 @@ class FcfsScheduler:
             req = self.running[i]
             n = min(req.num_scheduled_tokens - req.num_computed, budget)
             whole = n == req.num_scheduled_tokens - req.num_computed
+            before = len(req.block_ids)
             if req.draft and not (whole and self._grow(req, req.num_computed + n)):
                 # a draft is verified only whole within the budget, and it never makes anyone wait: without it
                 # the request computes its one token (the draft's blocks go back)
                 req.draft = []
                 self.kv.trim(req)
                 n = min(req.num_tokens - req.num_computed, budget)
+            if shares:
+                while self._passes_cap(req, req.num_computed + n):  # its tenant gives way, not another
+                    victim = self._own_newest(req, i)
+                    self.preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
+                if req.status is not RequestStatus.RUNNING:
+                    continue
             while not self._grow(req, req.num_computed + n):
-                victim = self.victim()
+                victim = self._victim_for(req) if shares else self.victim()
+                if shares and victim is not req and self.running.index(victim) < i:
+                    budget += self._unplan(victim, plan)  # scheduled earlier in this step: out of the plan
+                    i -= 1
                 self.preempt(victim)
                 preempted = True
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
                 continue  # it was preempted (and removed): the same index now holds the next one
+            if shares:
+                self._held[req.tenant] = self._held.get(req.tenant, 0) + len(req.block_ids) - before
             plan.append((req, n))
             budget -= n
             i += 1
+        skip: set[str] = set()  # tenants at their KV cap this step, or whose next request does not fit
+        full = False  # the blocks ran out: only a request within its tenant's guarantee may still start
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
-            req = self.waiting[0]
-            n = self._start(req, budget)
-            if not n:
+            req = self._first_waiting(skip) if skip else self.waiting[0]
+            if req is None:
                 break
-            self.waiting.popleft()
+            if shares and (self._cap_blocks_start(req) or (full and not self._fits_guarantee(req))):
+                skip.add(req.tenant)
+                continue
+            n = self._start(req, budget)
+            while not n and shares:  # within its guarantee: a request of a tenant above its own gives way
+                freed = self._reclaim(req, plan)
+                if freed is None:
+                    break
+                budget += freed
+                n = self._start(req, budget)
+            if not n:
+                if not shares:
+                    break
+                full = True  # the others may still start within their guarantees (by reclaiming)
+                skip.add(req.tenant)
+                continue
+            self._take_waiting(req)
             req.status = RequestStatus.RUNNING
             self._add_running(req)
+            if shares:
+                self._held[req.tenant] = self._held.get(req.tenant, 0) + len(req.block_ids)
             if self.bus.enabled:
                 self.bus.publish(RequestScheduled(req.request_id, time.monotonic() - req.arrival))
             plan.append((req, n))
             budget -= n
         return plan
+
+    # ---- tenants' KV shares (only with ``kv_shares``) ---------------------------------------------------------
+    def _first_waiting(self, skip: set[str]) -> Request | None:
+        """The next waiting request (in this scheduler's order) of a tenant not in ``skip``."""
+        return next((r for r in self.waiting if r.tenant not in skip), None)
+
+    def _take_waiting(self, req: Request) -> None:
+        """Take ``req`` (from :meth:`_first_waiting`, or the head) out of the queue as it starts."""
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+
+    def _count_held(self) -> None:
+        held: dict[str, int] = {}
+        for r in self.running:
+            held[r.tenant] = held.get(r.tenant, 0) + len(r.block_ids)
+        self._held = held
+
+    def _share_class(self, tenant: str) -> int:
+        """0: over its cap, 1: above its guarantee (or none), 2: within its guarantee."""
+        share, held = self.shares.get(tenant), self._held.get(tenant, 0)
+        if share is None:
+            return 1
+        if share.max_blocks is not None and held > share.max_blocks:
+            return 0
+        return 2 if held <= share.min_blocks else 1
+
+    def _passes_cap(self, req: Request, num_tokens: int) -> bool:
+        """Growing ``req`` to ``num_tokens`` passes its tenant's cap, and it is not the tenant's only request."""
+        share = self.shares.get(req.tenant)
+        if share is None or share.max_blocks is None:
+            return False
+        held = self._held.get(req.tenant, 0)
+        return held > len(req.block_ids) and held + self.kv.blocks_needed(req, num_tokens) > share.max_blocks
+
+    def _cap_blocks_start(self, req: Request) -> bool:
+        """Starting ``req`` (all its known tokens) would pass its tenant's cap while the tenant holds blocks."""
+        share = self.shares.get(req.tenant)
+        if share is None or share.max_blocks is None:
+            return False
+        held = self._held.get(req.tenant, 0)
+        return held > 0 and held + blocks_for(req.num_tokens, self.block_size) > share.max_blocks
+
+    def _fits_guarantee(self, req: Request) -> bool:
+        """``req``'s known tokens fit in what its tenant's guarantee leaves."""
+        share = self.shares.get(req.tenant)
+        return share is not None and share.min_blocks > 0 and \
+            self._held.get(req.tenant, 0) + blocks_for(req.num_tokens, self.block_size) <= share.min_blocks
+
+    def _own_newest(self, req: Request, i: int) -> Request:
+        """The last (in this scheduler's order) of ``req``'s tenant's requests not yet scheduled this step."""
+        for r in reversed(self.running[i:]):
+            if r.tenant == req.tenant:
+                return r
+        return req
+
+    def _victim_for(self, req: Request) -> Request:
+        """Whom ``req`` preempts for blocks: the running request of the lowest share class, then the last in this
+        scheduler's order (``req`` included; one scheduled earlier in this step leaves the plan); never one within
+        its guarantee for a tenant above its own (``req`` waits instead)."""
+        best, best_class, best_at = req, self._share_class(req.tenant), self.running.index(req)
+        for at, r in enumerate(self.running):
+            c = self._share_class(r.tenant)
+            if c < best_class or (c == best_class and at > best_at):
+                best, best_class, best_at = r, c, at
+        if best_class == 2 and best is not req and self._share_class(req.tenant) != 2:
+            return req
+        return best
+
+    @staticmethod
+    def _unplan(victim: Request, plan: list[tuple[Request, int]]) -> int:
+        """Take ``victim`` out of ``plan``; the tokens it had there."""
+        for k, (r, n) in enumerate(plan):
+            if r is victim:
+                del plan[k]
+                return n
+        return 0
+
+    def _reclaim(self, req: Request, plan: list[tuple[Request, int]]) -> int | None:
+        """Within its guarantee but not in the free blocks: preempt the request of another tenant above its own
+        guarantee (over its cap first, then the last in this scheduler's order) and drop it from ``plan``; the
+        tokens it had there (to add back to the budget), or None if there is no such request or ``req`` does not
+        fit its guarantee."""
+        if not self._fits_guarantee(req):
+            return None
+        victim, victim_class = None, 2
+        for r in self.running:
+            c = self._share_class(r.tenant)
+            if r.tenant != req.tenant and c < 2 and c <= victim_class:
+                victim, victim_class = r, c
+        if victim is None:
+            return None
+        freed = self._unplan(victim, plan)
+        self.preempt(victim)
+        return freed
 
     def blocked(self) -> tuple[Request, str] | None:
         """When nothing can be scheduled although requests wait and none runs: the first waiting request and

@@ -60,6 +60,8 @@ class TenantPolicy:
     max_queued: int | None = None
     max_spend: float | None = None
     spend_window_s: float = 3600.0
+    max_kv_fraction: float | None = None  # the scheduler's KV shares (engine/scheduler.py), not the ledger's
+    min_kv_fraction: float | None = None
 
 
 class TokenBucket:

@@ -474,7 +474,9 @@ class Scheduler(Protocol):
     Built once as ``cls(kv, max_num_seqs, max_num_batched_tokens, preemption, bus=bus)`` (``kv``: the
     :class:`~litellm_pipeline.engine.kv_cache_manager.KVCacheManager`; ``preemption``: ``"recompute"`` or
     ``"swap"``; ``bus``: the :class:`~litellm_pipeline.telemetry.bus.EventBus`), plus ``weights={tenant: share}``
-    when the constructor has a ``weights`` parameter. Subclass
+    when the constructor has a ``weights`` parameter, and ``kv_shares={tenant: (max_kv_fraction,
+    min_kv_fraction)}`` when tenants set KV shares (a scheduler that takes no ``kv_shares`` is then a config
+    error; FcfsScheduler keeps them). Subclass
     :class:`litellm_pipeline.engine.scheduler.FcfsScheduler` and change its ordering (``add``, ``requeue``,
     ``victim``) rather than starting from nothing: it already grows, preempts and frees KV correctly.
 

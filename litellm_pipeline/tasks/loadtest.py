@@ -14,6 +14,7 @@ afterwards, that the server is healthy with no KV block in use (read from its ``
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from litellm_pipeline.errors import section_settings
+from litellm_pipeline.tasks.noisy import NoisySettings, format_noisy, run_noisy
 
 
 class LoadtestSettings(BaseModel):
@@ -47,6 +50,7 @@ class LoadtestSettings(BaseModel):
     in_process: bool = True  # also run the same arrivals through the Python API
     startup_timeout_s: float = Field(default=120.0, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
+    noisy: NoisySettings = NoisySettings()  # the noisy-neighbour test (tasks/noisy.py) instead of the load above
 
 
 def load_settings(section: Any) -> LoadtestSettings:
@@ -202,6 +206,15 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url = self._wait_url(timeout_s)
+        # from now on its output (an access log line per request) is read and only the tail kept: a pipe nobody
+        # reads fills up, and the server would block writing its log
+        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._reader = threading.Thread(target=self._drain, name="loadtest-server-log", daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line)
 
     def _wait_url(self, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s
@@ -296,6 +309,13 @@ def run_loadtest(cfg, overrides: list[str]) -> dict:
     s = load_settings(plain.get("loadtest"))
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the report
     demo = plain["model"].get("path") is None
+    if s.noisy.enabled:
+        result = run_noisy(s.noisy, server_overrides(overrides), demo, s.seed, s.max_duration_s,
+                           s.startup_timeout_s, s.request_timeout_s)
+        print(format_noisy(result))
+        path = write_json(result, "loadtest.json")
+        print(f"wrote {path}")
+        return result
     times = arrivals(s)
     from litellm_pipeline.tasks.budget_load import workload_prompts
 

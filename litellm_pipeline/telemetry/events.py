@@ -154,6 +154,9 @@ class RequestAborted(Event):
     total_blocks: int = 0  # hot blocks in the pool
     cached_blocks: int = 0  # hot blocks the prefix cache keeps that no request holds
     warm_cached_blocks: int = 0  # warm-tier slots holding cached prefixes
+    # (tenant, hot blocks its running requests hold) for every tenant with a running request (a shared prefix
+    # block counts for each holder, as the scheduler's KV shares count it)
+    tenant_blocks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +164,7 @@ class RequestPreempted(Event):
     kind: ClassVar[str] = "preempted"
     request_id: str
     mode: str  # "swap" | "recompute"
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +218,9 @@ class StepFinished(Event):
     total_blocks: int = 0  # hot blocks in the pool
     cached_blocks: int = 0  # hot blocks the prefix cache keeps that no request holds
     warm_cached_blocks: int = 0  # warm-tier slots holding cached prefixes
+    # (tenant, hot blocks its running requests hold) for every tenant with a running request (a shared prefix
+    # block counts for each holder, as the scheduler's KV shares count it)
+    tenant_blocks: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

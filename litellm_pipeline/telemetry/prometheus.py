@@ -121,7 +121,11 @@ class PrometheusSink:
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                                    registry=r)
-        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted.", ("mode",), registry=r)
+        self.preemptions = Counter(PREFIX + "num_preemptions", "Requests preempted.", ("mode", "tenant"), registry=r)
+        self.tenant_blocks = Gauge(PREFIX + "tenant_kv_blocks_used",
+                                   "Hot KV blocks a tenant's running requests hold after the last step.", ("tenant",),
+                                   registry=r)
+        self._tenants_holding: set[str] = set()
         self.evicted = Counter(PREFIX + "kv_blocks_evicted", "Cached hot KV blocks evicted.", registry=r)
         self.demoted = Counter(PREFIX + "kv_blocks_demoted", "Evicted hot KV blocks kept in the warm tier.",
                                registry=r)
@@ -163,7 +167,7 @@ class PrometheusSink:
             ev.RequestFinished: self._finished,
             ev.RequestAborted: self._aborted,
             ev.RequestCosted: self._costed,
-            ev.RequestPreempted: lambda e: self.preemptions.labels(e.mode).inc(),
+            ev.RequestPreempted: lambda e: self.preemptions.labels(e.mode, self._tenant(e.tenant)).inc(),
             ev.PrefixLookup: self._prefix,
             ev.BlocksEvicted: lambda e: self.evicted.inc(e.num_blocks),
             ev.BlocksDemoted: lambda e: self.demoted.inc(e.num_blocks),
@@ -257,5 +261,14 @@ class PrometheusSink:
         self.blocks_used.labels("warm").set(e.warm_used_blocks)
         self.blocks_cached.labels("hot").set(e.cached_blocks)
         self.blocks_cached.labels("warm").set(e.warm_cached_blocks)
+        held: dict[str, int] = {}
+        for tenant, n in e.tenant_blocks:
+            label = self._tenant(tenant)
+            held[label] = held.get(label, 0) + n
+        for label in self._tenants_holding - held.keys():  # none running now: it holds nothing
+            self.tenant_blocks.labels(label).set(0)
+        for label, n in held.items():
+            self.tenant_blocks.labels(label).set(n)
+        self._tenants_holding = set(held)
         if e.total_blocks:
             self.kv_usage.set(e.used_blocks / e.total_blocks)

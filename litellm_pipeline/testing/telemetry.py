@@ -25,8 +25,10 @@ from litellm_pipeline.testing._support import (
 def _value(tp: Any) -> Any:
     """A plausible value of an annotated field type (str, int, float, bool, optionals and tuples of them)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is tuple:
-        return (_value(args[0]),) if args else ()
+    if origin is tuple:  # tuple[X, ...]: one X; tuple[X, Y]: one of each
+        if not args:
+            return ()
+        return (_value(args[0]),) if args[-1] is Ellipsis else tuple(_value(a) for a in args)
     if args:  # a union: its first non-None member
         return _value(next(a for a in args if a is not type(None)))
     return {str: "r0", int: 1, float: 0.5, bool: True}.get(tp, None)

@@ -76,3 +76,30 @@ def test_loadtest_recipe_against_a_real_server(tmp_path):
                                  "requests_waiting": 0.0}
     assert r["server_exit_code"] == 0
     assert "server throughput / in-process throughput" in proc.stdout
+
+
+@pytest.mark.slow
+def test_noisy_neighbour_recipe(tmp_path):
+    """Tenant b's short requests alone, under tenant a's flood, and under a flood whose clients drop their streams
+    and reconnect: b is never refused, a's excess over its quota gets 429, a's dropped streams are aborted, and
+    the server ends healthy with no KV block in use (the p95 ratios are measured, not asserted here)."""
+    cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=loadtest", "loadtest.noisy.enabled=true",
+           "loadtest.noisy.b_requests=10", "loadtest.noisy.b_rate=20", "loadtest.noisy.a_requests=60",
+           "loadtest.noisy.a_rate=200", "loadtest.noisy.a_max_concurrent=2", "cache.num_blocks=24",
+           f"hydra.run.dir={tmp_path}/run"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "run" / "loadtest.json").read_text())
+    assert list(r["phases"]) == ["alone", "flood", "flood_disconnect"]
+    for name, ph in r["phases"].items():
+        assert ph["b"]["status"] == {"200": ph["b"]["sent"]} and ph["b"]["completed"] == ph["b"]["sent"], name
+        assert ph["b"]["ttft_ms_p95"] > 0 and ph["settled_s"] is not None
+    for name in ("flood", "flood_disconnect"):
+        a = r["phases"][name]["a"]
+        assert a["sent"] > 10 and a["status"].get("429", 0) > 0 and set(a["status"]) <= {"200", "429"}, a
+        assert r["verdict"][f"{name}_b_never_refused"] is True
+    assert r["phases"]["flood_disconnect"]["a"]["dropped"] > 0
+    assert r["phases"]["flood"]["a"]["dropped"] == 0
+    assert r["server_after"]["health"] == 200 and r["server_after"]["kv_blocks_used"] == 0
+    assert r["server_exit_code"] == 0
+    assert "b's p95 TTFT" in proc.stdout

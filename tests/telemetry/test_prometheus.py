@@ -74,6 +74,31 @@ def test_gauges_follow_an_abort_with_no_step_after_it(llm):
     assert after[("request_success_total", (("finish_reason", "abort"), *tt))] == 1
 
 
+def test_kv_blocks_and_preemptions_per_tenant():
+    """tenant_kv_blocks_used follows each tenant's running requests (back to 0 when they end), and preemptions
+    carry the tenant preempted."""
+    llm = LLM(overrides=["telemetry=prometheus", "cache.block_size=4", "cache.num_blocks=12",
+                         "cache.enable_prefix_caching=false"], threads=1)
+    sink = llm.engine.bus.sink(PrometheusSink)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    eng.add_request("copy:abcdefgh=", params, tenant="acme", request_id="a")
+    eng.add_request("rev:abcdefgh=", params, tenant="beta", request_id="b")
+    eng.step()
+    during = samples(sink.render().decode())
+    held = {t: sum(len(r.block_ids) for r in eng.rt.scheduler.running if r.tenant == t) for t in ("acme", "beta")}
+    assert held["acme"] > 0 and held["beta"] > 0
+    for t in ("acme", "beta"):
+        assert during[("tenant_kv_blocks_used", (("tenant", t),))] == held[t]
+    while eng.has_unfinished():  # 2 x 44 tokens do not fit 48 slots: one of them is preempted
+        eng.step()
+    after = samples(sink.render().decode())
+    assert after[("tenant_kv_blocks_used", (("tenant", "acme"),))] == 0
+    assert after[("tenant_kv_blocks_used", (("tenant", "beta"),))] == 0
+    preempted = {dict(k[1])["tenant"]: v for k, v in after.items() if k[0] == "num_preemptions_total"}
+    assert sum(preempted.values()) >= 1 and set(preempted) <= {"acme", "beta"}
+
+
 def test_each_engine_has_its_own_registry(llm):
     other = LLM(overrides=["telemetry=prometheus"], threads=1)
     mine, theirs = llm.engine.bus.sink(PrometheusSink), other.engine.bus.sink(PrometheusSink)
