@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from litellm_pipeline.errors import section_settings
-from litellm_pipeline.tasks.noisy import NoisySettings, format_noisy, run_noisy
+from litellm_pipeline.tasks._noisy import NoisySettings, format_noisy, run_noisy
 
 
 class LoadtestSettings(BaseModel):
@@ -50,7 +50,7 @@ class LoadtestSettings(BaseModel):
     in_process: bool = True  # also run the same arrivals through the Python API
     startup_timeout_s: float = Field(default=120.0, gt=0)
     request_timeout_s: float = Field(default=300.0, gt=0)
-    noisy: NoisySettings = NoisySettings()  # the noisy-neighbour test (tasks/noisy.py) instead of the load above
+    noisy: NoisySettings = NoisySettings()  # the noisy-neighbour test (tasks/_noisy.py) instead of the load above
 
 
 def load_settings(section: Any) -> LoadtestSettings:
