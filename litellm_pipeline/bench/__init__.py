@@ -49,7 +49,7 @@ def engine_config(base: Mapping[str, Any], path: Path, dtype: str, overrides: Ma
 
 def _config(base: Mapping[str, Any], path: Path, s: BenchSettings, precision: str, extra: Mapping[str, Any]) -> dict:
     """The engine config of one precision: its compute dtype, ``bench.engine`` + ``extra``, and what the
-    precision itself sets (int8: the cpu_int8 layer ops), which wins over both."""
+    precision itself sets (int8 / int4: the cpu_int8 / cpu_int4 layer ops), which wins over both."""
     return engine_config(base, path, s.compute_dtype(precision), {**s.engine, **extra, **s.precision_overrides(precision)})
 
 
@@ -153,7 +153,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         row["deterministic"] = _measure_deterministic(path, s, base, items, b1, probe, bar, tag, dtype)
         mark("deterministic mode")
     row["offload"] = None
-    if s.offload and is_moe and dtype != "int8":  # cpu_int8 refuses expert offload
+    if s.offload and is_moe and dtype not in ("int8", "int4"):  # cpu_int8 and cpu_int4 refuse expert offload
         row["offload"] = _measure_offload(path, s, base, b1, row["batch1"], bar, tag, dtype)
         mark("expert offload")
     else:
@@ -163,7 +163,7 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
         row["structured"] = _measure_structured(path, s, base, bar, tag, dtype)
         mark("structured output")
     row["peer_batched"] = row["peer_single"] = row["peer_batch1"] = None
-    if s.peer and dtype == "int8":  # transformers has no int8 weight-only CPU path to compare with
+    if s.peer and dtype in ("int8", "int4"):  # transformers has no weight-only int8 / int4 CPU path to compare with
         bar.update(2 + s.num_requests + len(single_items))
     elif s.peer:
         bar.set_description(f"{tag}: load transformers")
@@ -331,6 +331,8 @@ def run_bench(cfg: Any) -> dict:
                                        "partial": True}
                 if dtype == "int8":
                     row["int8_lm_head"] = s.int8_lm_head
+                elif dtype == "int4":
+                    row["int4_lm_head"], row["int4_group_size"] = s.int4_lm_head, s.int4_group_size
                 result["results"].append(row)
 
                 def mark(label: str, tag: str = f"{name}/{dtype}") -> None:

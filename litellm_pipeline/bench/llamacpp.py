@@ -3,9 +3,9 @@
 Needs ``llama-cpp-python`` (it compiles llama.cpp for a long time, so it is never installed by the project or in
 CI) and the ``gguf`` package; without them the peer is reported as unavailable, never an error.
 
-Precisions map to llama.cpp's closest formats: float32 -> F32, bfloat16 -> BF16, float16 -> F16, int8 -> Q8_0
-(blocks of 32 weights with one float16 scale: every 2-D weight, the embeddings and the output head included, as
-llama.cpp's own Q8_0 files). Norms stay F32. The GGUF is written from the bench checkpoint's safetensors (Llama
+Precisions map to llama.cpp's closest formats: float32 -> F32, bfloat16 -> BF16, float16 -> F16, int8 -> Q8_0,
+int4 -> Q4_0 (blocks of 32 weights with one float16 scale: every 2-D weight, the embeddings and the output head
+included, as llama.cpp's own Q8_0 files). Norms stay F32. The GGUF is written from the bench checkpoint's safetensors (Llama
 layout, Mixtral experts stacked per layer as llama.cpp expects; Q/K rows permuted for llama.cpp's rotary
 convention, so the model computes what the checkpoint computes) with a placeholder vocabulary: prompts are
 token ids, never text.
@@ -38,7 +38,7 @@ from typing import Sequence
 
 import torch
 
-GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0"}
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "int8": "Q8_0", "int4": "Q4_0"}
 
 
 def _missing(*mods: tuple[str, str]) -> str | None:
@@ -104,7 +104,7 @@ def write_gguf(ckpt: Path, out: Path, precision: str) -> Path:
     if experts:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7, "BF16": 32}[GGUF_TYPES[precision]])
+    w.add_file_type({"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}[GGUF_TYPES[precision]])
     vocab = cfg["vocab_size"]
     w.add_tokenizer_model("llama")
     w.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + [f"t{i}" for i in range(259, vocab)])

@@ -114,9 +114,9 @@ def _precision_support() -> dict:
 
         ns = cpu_kernels.ops()
         return {"simd": ns.simd_isa(), "native_bf16": ns.native_bf16_gemm(), "native_fp16": ns.native_fp16_gemm(),
-                "int8_kernel": ns.int8_linear_isa()}
+                "int8_kernel": ns.int8_linear_isa(), "int4_kernel": ns.int4_linear_isa()}
     except Exception:
-        return {"simd": None, "native_bf16": None, "native_fp16": None, "int8_kernel": None}
+        return {"simd": None, "native_bf16": None, "native_fp16": None, "int8_kernel": None, "int4_kernel": None}
 
 
 class CpuMonitor:

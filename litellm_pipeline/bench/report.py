@@ -16,23 +16,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def weight_bytes_per_token(params: dict, precision: str, compute_dtype: str | None = None,
-                           int8_lm_head: bool = False) -> float:
+                           int8_lm_head: bool = False, int4_group_size: int = 32) -> float:
     """Bytes of weights one decode token reads. int8: the projections at one byte per weight plus a float32
-    scale per output row; the rest (norms, router, the LM head unless quantized) in the activation dtype."""
-    if precision != "int8":
+    scale per output row; int4: half a byte per weight plus a 16-bit scale per group; the rest (norms, router, the
+    LM head unless quantized: ``int8_lm_head`` for either) in the activation dtype."""
+    if precision not in ("int8", "int4"):
         return params["active_per_token"] * DTYPE_BYTES[precision]
     act = DTYPE_BYTES[compute_dtype or "float32"]
-    proj = params["proj_active"] + 4 * params["proj_rows_active"]
+    if precision == "int8":
+        proj = params["proj_active"] + 4 * params["proj_rows_active"]
+        head = params["head"] + 4 * params["head_rows"]
+    else:
+        proj = params["proj_active"] * (0.5 + 2 / int4_group_size)
+        head = params["head"] * (0.5 + 2 / int4_group_size)
     rest = (params["body_active"] - params["proj_active"]) * act
-    head = params["head"] + 4 * params["head_rows"] if int8_lm_head else params["head"] * act
-    return proj + rest + head
+    return proj + rest + (head if int8_lm_head else params["head"] * act)
 
 
 def derive(row: dict, roofline: dict) -> None:
     """Add ``ratios`` and ``roofline`` to one model x dtype result (in place)."""
     params, dtype, eng = row["params"], row["dtype"], row["engine"]
     compute = row.get("compute_dtype") or dtype
-    weight_bytes = weight_bytes_per_token(params, dtype, compute, bool(row.get("int8_lm_head")))
+    head_quantized = bool(row.get("int8_lm_head") or row.get("int4_lm_head"))
+    weight_bytes = weight_bytes_per_token(params, dtype, compute, head_quantized, row.get("int4_group_size") or 32)
     bw = roofline["bandwidth_gbs"]["best"] * 1e9
     peak = roofline["gemm_gflops"].get(compute, 0.0) * 1e9
     # model FLOPs of the workload: every prompt and output token runs the active body; only sampled
@@ -111,6 +117,9 @@ def _native(flag) -> str:
 
 
 def _precision_name(r: dict) -> str:
+    if r["dtype"] == "int4":
+        return (f"int4 (group {r.get('int4_group_size') or 32}, {r.get('compute_dtype') or 'float32'} act"
+                f"{', int4 head' if r.get('int4_lm_head') else ''})")
     if r["dtype"] != "int8":
         return r["dtype"]
     return f"int8 ({r.get('compute_dtype') or 'float32'} act{', int8 head' if r.get('int8_lm_head') else ''})"
@@ -249,7 +258,7 @@ def render(result: dict) -> str:
         f"at end {m.get('loadavg_end')}",
         f"precisions: kernels {m.get('simd') or 'none'}; bfloat16 products "
         f"{_native(m.get('native_bf16'))}, float16 products {_native(m.get('native_fp16'))}; int8 weight-only "
-        f"kernel {m.get('int8_kernel') or 'unavailable'}",
+        f"kernel {m.get('int8_kernel') or 'unavailable'}, int4 {m.get('int4_kernel') or 'unavailable'}",
         f"roofline: read bandwidth {bw['best']:.1f} GB/s (sum {bw['sum']:.1f}, GEMV fp32 {bw['gemv_float32']:.1f}); "
         + ", ".join(f"GEMM {k} {v:.0f} GFLOP/s" for k, v in roof["gemm_gflops"].items()),
     ]

@@ -21,11 +21,16 @@ class RooflineSettings(_Section):
 
 class BenchSettings(_Section):
     models: list[str | dict[str, Any]] = Field(default=["llama125m", "mixtral175m"], min_length=1)
-    # precisions: a float dtype (weights and activations), or int8 (layer_ops cpu_int8: int8 projection weights,
-    # activations in int8_activations, the LM head int8 too when int8_lm_head)
-    dtypes: list[Literal["float32", "bfloat16", "float16", "int8"]] = Field(default=["float32", "bfloat16"], min_length=1)
+    # precisions: a float dtype (weights and activations), int8 (layer_ops cpu_int8: int8 projection weights,
+    # activations in int8_activations, the LM head int8 too when int8_lm_head) or int4 (layer_ops cpu_int4: 4-bit
+    # projection weights in groups of int4_group_size, symmetric with float16 scales as llama.cpp's Q4_0)
+    dtypes: list[Literal["float32", "bfloat16", "float16", "int8", "int4"]] = Field(
+        default=["float32", "bfloat16"], min_length=1)
     int8_activations: Literal["float32", "bfloat16", "float16"] = "float32"
     int8_lm_head: bool = True
+    int4_activations: Literal["float32", "bfloat16", "float16"] = "float32"
+    int4_lm_head: bool = True
+    int4_group_size: int = Field(default=32, ge=32, multiple_of=32)
     num_requests: int = Field(default=64, ge=1)
     prompt_len: tuple[int, int] = (16, 512)  # uniform, inclusive
     output_len: tuple[int, int] = (16, 256)
@@ -87,14 +92,18 @@ class BenchSettings(_Section):
 
     def compute_dtype(self, precision: str) -> str:
         """The activation (device) dtype a precision runs in."""
-        return self.int8_activations if precision == "int8" else precision
+        return {"int8": self.int8_activations, "int4": self.int4_activations}.get(precision, precision)
 
     def precision_overrides(self, precision: str) -> dict[str, Any]:
-        """Engine config overrides a precision adds to ``engine`` (int8: the cpu_int8 layer ops)."""
-        if precision != "int8":
-            return {}
-        return {"pipeline.stages.decode.params.layer_ops": "cpu_int8",
-                "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
+        """Engine config overrides a precision adds to ``engine`` (int8 / int4: the cpu_int8 / cpu_int4 layer ops)."""
+        if precision == "int8":
+            return {"pipeline.stages.decode.params.layer_ops": "cpu_int8",
+                    "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
+        if precision == "int4":
+            return {"pipeline.stages.decode.params.layer_ops": "cpu_int4",
+                    "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int4_lm_head,
+                                                                       "group_size": self.int4_group_size}}
+        return {}
 
     @field_validator("prompt_len", "output_len")
     @classmethod

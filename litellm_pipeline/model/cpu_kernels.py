@@ -33,7 +33,8 @@ import torch
 from litellm_pipeline.errors import ConfigError
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp", "token_mask.cpp"))
+SOURCES = tuple(_CSRC / f for f in ("paged_attention.cpp", "layer_ops.cpp", "int8_linear.cpp", "int4_linear.cpp",
+                                     "token_mask.cpp"))
 HEADERS = tuple(sorted(_CSRC.glob("*.h")))
 NAMESPACE = "litellm_pipeline_cpu"
 

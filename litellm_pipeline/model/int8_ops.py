@@ -99,6 +99,11 @@ class Int8LayerOps(CpuFusedLayerOps):
 
     # -- weights --------------------------------------------------------------------------------------------
 
+    # the dtype quantized weights have, the module attribute their scales live in, and the ops' registry name
+    QDTYPE = torch.int8
+    STATE = "int8_scales"
+    NAME = "cpu_int8"
+
     def prepare_weights(self, model) -> None:
         """Quantize the model's projection weights in place (see the module doc) and register their scales."""
         from litellm_pipeline.model.layers import Attention, GatedMLP, SparseMoE
@@ -107,45 +112,55 @@ class Int8LayerOps(CpuFusedLayerOps):
         if offload is not None or any(getattr(m, "offload", None) is not None for m in model.modules()
                                       if isinstance(m, SparseMoE)):
             raise ValueError(
-                "layer_ops cpu_int8 does not support expert offload (moe.hot_experts): the offloaded experts are "
+                f"layer_ops {self.NAME} does not support expert offload (moe.hot_experts): the offloaded experts are "
                 "copied as float weights; unset moe.hot_experts or use another layer_ops"
             )
+        todo = []
+        for m in model.modules():
+            if isinstance(m, Attention):
+                names = ("qkv_proj", "o_proj")
+            elif isinstance(m, GatedMLP):  # dense MLPs and MoE shared experts
+                names = ("gate_up_proj", "down_proj")
+            elif isinstance(m, SparseMoE):  # experts only: the router gate and shared-expert gate stay float
+                names = ("w13", "w2")
+            else:
+                continue
+            todo.extend((m, name) for name in names)
+        for m, name in todo:  # every weight checked before one is changed
+            self._check(getattr(m, name), f"{type(m).__name__}.{name}")
         with torch.no_grad():
-            for m in model.modules():
-                if isinstance(m, Attention):
-                    names = ("qkv_proj", "o_proj")
-                elif isinstance(m, GatedMLP):  # dense MLPs and MoE shared experts
-                    names = ("gate_up_proj", "down_proj")
-                elif isinstance(m, SparseMoE):  # experts only: the router gate and shared-expert gate stay float
-                    names = ("w13", "w2")
-                else:
-                    continue
-                scales = m.__dict__.setdefault("int8_scales", {})  # kept on the module: a later bind finds them
-                for name in names:
-                    w = getattr(m, name)
-                    if w.dtype != torch.int8:
-                        q, scale = self._quantize(w)
-                        setattr(m, name, nn.Parameter(q, requires_grad=False))
-                        scales[name] = scale
-                    elif name not in scales:
-                        raise ValueError(f"{type(m).__name__}.{name} is int8 but has no scales (quantized elsewhere?)")
-                    self._register(getattr(m, name), scales[name])
+            for m, name in todo:
+                scales = m.__dict__.setdefault(self.STATE, {})  # kept on the module: a later bind finds them
+                w = getattr(m, name)
+                if w.dtype != self.QDTYPE:
+                    q, scale = self._quantize(w)
+                    setattr(m, name, nn.Parameter(q, requires_grad=False))
+                    scales[name] = scale
+                elif name not in scales:
+                    raise ValueError(
+                        f"{type(m).__name__}.{name} is {self.QDTYPE} but has no scales (quantized elsewhere?)")
+                self._register(getattr(m, name), scales[name])
             head = model.lm_head
-            if self.lm_head or (head is not None and head.dtype == torch.int8):  # a later bind reads it as int8 too
+            if self.lm_head or (head is not None and head.dtype == self.QDTYPE):  # a later bind reads it so too
                 self._prepare_head(model)
 
+    def _check(self, w: torch.Tensor, name: str) -> None:
+        """Raise a ValueError naming ``name`` where ``w`` cannot be quantized (every weight can be as int8)."""
+
     def _prepare_head(self, model) -> None:
-        """The LM head as int8 (its own copy when tied to the embeddings, which keep the float table)."""
-        scales = model.__dict__.setdefault("int8_scales", {})
+        """The LM head quantized (its own copy when tied to the embeddings, which keep the float table)."""
+        scales = model.__dict__.setdefault(self.STATE, {})
         head = model.lm_head
-        if head is None or head.dtype != torch.int8:
-            q, scale = self._quantize(model.embed_tokens if head is None else head)
+        if head is None or head.dtype != self.QDTYPE:
+            w = model.embed_tokens if head is None else head
+            self._check(w, "lm_head")
+            q, scale = self._quantize(w)
             if head is None:
                 del model.lm_head  # a plain None attribute for a tied model: becomes a parameter of its own
             model.lm_head = nn.Parameter(q, requires_grad=False)
             scales["lm_head"] = scale
         elif "lm_head" not in scales:
-            raise ValueError("the LM head is int8 but has no scales (quantized elsewhere?)")
+            raise ValueError(f"the LM head is {self.QDTYPE} but has no scales (quantized elsewhere?)")
         self._register(model.lm_head, scales["lm_head"])
 
     def weights_moved(self, model) -> None:
@@ -179,7 +194,7 @@ class Int8LayerOps(CpuFusedLayerOps):
         s = self._scales.get(_key(w))
         if s is None:
             raise KeyError(
-                f"layer_ops cpu_int8: int8 weight {tuple(w.shape)} has no registered scales (not quantized by "
+                f"layer_ops {self.NAME}: {w.dtype} weight {tuple(w.shape)} has no registered scales (not quantized by "
                 "prepare_weights of these ops)"
             )
         return s

@@ -278,6 +278,8 @@ class CpuFusedLayerOps(TorchLayerOps):
                             allowed, logits)
         if out is not None:
             return out if not logits or w["plan_has_head"] else model.compute_logits(out)
+        if w["plan_only"]:  # weights only the plan's kernels take (4-bit): layer by layer instead
+            return None
         out = self._decode_layers(
             h, w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], cos, sin, w["k_caches"], w["v_caches"],
             meta.slot_mapping, rows, kv_slots, meta.decode_ctx_lens, w["o_w"], w["o_b"], w["post_norm"], w["mlp_a"],
@@ -321,8 +323,10 @@ class CpuFusedLayerOps(TorchLayerOps):
             w.pop("plan", None)
         if w["cache_dtype"] != h.dtype:
             return None
-        if "scales" not in w:  # int8 weights: their scales per list (empty lists for float weights)
+        if "scales" not in w:  # quantized weights: their scales per list (empty lists for float weights)
             w["scales"] = self._scale_lists(w, h)
+            w["plan_only"] = w["scales"] is not None and any(
+                self.plan_only(t) for key in ("qkv_w", "o_w", "mlp_a", "mlp_b") for t in w[key])
         if w["scales"] is None:
             return None
         if "plan" not in w:
@@ -334,23 +338,32 @@ class CpuFusedLayerOps(TorchLayerOps):
         """The C++ DecodePlan of ``model``'s decode weights; with the final norm and LM head where the region
         can run the head as ``compute_logits`` would (the head in this dtype, or int8 with its scales)."""
         head = model.embed_tokens if model.lm_head is None else model.lm_head
-        takes_head = head.dtype == dtype or (head.dtype == torch.int8 and self.weight_scale(head) is not None)
+        takes_head = head.dtype == dtype or (head.dtype != dtype and self.plan_scale(head) is not None)
         return self._decode_plan(
             w["in_norm"], w["qkv_w"], w["qkv_b"], w["q_norm"], w["k_norm"], w["k_caches"], w["v_caches"], w["o_w"],
             w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
             w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], w["moe_k"], w["moe_normalize"],
             self.max_rows.get(dtype, 0), *w["scales"], model.norm.weight if takes_head else None, model.norm.eps,
-            head if takes_head else None, self.weight_scale(head) if takes_head else None,
+            head if takes_head else None, self.plan_scale(head) if takes_head else None,
         )
+
+    def plan_scale(self, w: torch.Tensor) -> torch.Tensor | None:
+        """What the C++ decode plan takes with a quantized weight (``weight_scale`` unless the ops say more);
+        None for float weights."""
+        return self.weight_scale(w)
+
+    def plan_only(self, w: torch.Tensor) -> bool:
+        """Whether only the decode plan's kernels (not the other whole-layer C++ paths) take weight ``w``."""
+        return False
 
     def _scale_lists(self, w: dict, h: torch.Tensor) -> list[list[torch.Tensor]] | None:
         """``[qkv, o, mlp_a, mlp_b]`` scale lists for ``decode_layers``: empty for float weights, one per layer
         for int8 ones; None when a list mixes them or holds a weight the kernels do not take."""
         out = []
         for key in ("qkv_w", "o_w", "mlp_a", "mlp_b"):
-            if not all(self._takes(t, h) for t in w[key]):
+            if not all(t.dtype == h.dtype or self.plan_scale(t) is not None for t in w[key]):
                 return None
-            scales = [self.weight_scale(t) for t in w[key]]
+            scales = [self.plan_scale(t) for t in w[key]]
             if all(sc is None for sc in scales):
                 out.append([])
             elif all(sc is not None for sc in scales):

@@ -37,14 +37,6 @@ MAX_LOGPROB_DRIFT = {"float32": 0.3, "bfloat16": 0.4}
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def ns():
-    try:
-        return cpu_kernels.ops()
-    except Exception as exc:  # no compiler here: the kernel tests cannot run
-        pytest.skip(f"C++ kernels unavailable: {cpu_kernels.reason(exc)}")
-
-
 def _quantized(o: int, k: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(o, k, generator=g)
@@ -183,6 +175,14 @@ def test_lm_head_int8_on_request(demo_float32):
 
 def test_lm_head_int8_with_tied_embeddings(tmp_path):
     """Tied embeddings: the head gets its own int8 copy; the lookup keeps the float table."""
+    model, first = tied_head_run(tmp_path, [*INT8, HEAD], torch.int8)
+    assert first <= 0.5
+
+
+def tied_head_run(tmp_path, layer_ops: list[str], qdtype: torch.dtype) -> tuple:
+    """A tiny llama with tied embeddings under ``layer_ops`` (quantizing the head): checks that the head is a
+    ``qdtype`` copy of its own and the lookup table stays float; returns ``(model, first-token logprob drift)``
+    against the float32 run."""
     from litellm_pipeline.bench.checkpoints import write_random_checkpoint
     from litellm_pipeline.bench.models import resolve_model
 
@@ -191,14 +191,14 @@ def test_lm_head_int8_with_tied_embeddings(tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     prompts = [[5, 9, 200, 31], [77, 3, 3, 140, 9, 12]]
     fp = LLM(model=path, overrides=["device.threads=1"]).generate(prompts, params)
-    llm = LLM(model=path, overrides=["device.threads=1", *INT8, HEAD])
+    llm = LLM(model=path, overrides=["device.threads=1", *layer_ops])
     model = llm.engine.rt.model
-    assert model.lm_head.dtype == torch.int8 and model.embed_tokens.dtype == torch.float32
+    assert model.lm_head.dtype == qdtype and model.embed_tokens.dtype == torch.float32
     assert model.lm_head.data_ptr() != model.embed_tokens.data_ptr()
-    q8 = llm.generate(prompts, params)
-    first = max(abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][a.token_ids[0]]) for a, b in zip(fp, q8)
+    got = llm.generate(prompts, params)
+    first = max(abs(a.logprobs[0][a.token_ids[0]] - b.logprobs[0][a.token_ids[0]]) for a, b in zip(fp, got)
                 if a.token_ids[0] == b.token_ids[0])
-    assert first <= 0.5
+    return model, first
 
 
 def test_layer_ops_params_are_checked():
@@ -327,10 +327,13 @@ def test_batch_invariance(ns, deterministic):
     holder = Holder()
     q, s = Int8LayerOps._quantize(holder.o_proj)
     ops._register(q, s)
-    bias = lin.bias.detach()
-    rows = 80 if deterministic else INT8_KERNEL_MAX_ROWS
+    assert_batch_invariant(ops, q, lin.bias.detach(), 48, 80 if deterministic else INT8_KERNEL_MAX_ROWS)
+
+
+def assert_batch_invariant(ops, q: torch.Tensor, bias: torch.Tensor, k: int, rows: int) -> None:
+    """``ops.linear`` of quantized ``q`` on a row alone, on a prefix of the rows and on all ``rows``: the same bits."""
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(rows, 48).to(dtype)
+        x = torch.randn(rows, k).to(dtype)
         full = ops.linear(x, q, bias.to(dtype))
         for i in (0, 1, 5, rows - 1):
             assert torch.equal(ops.linear(x[i : i + 1], q, bias.to(dtype)), full[i : i + 1]), (dtype, i)
@@ -338,10 +341,14 @@ def test_batch_invariance(ns, deterministic):
 
 
 def test_deterministic_engine_rows_alone_equal_batched():
-    over = [*INT8, "engine.deterministic=true", "pipeline.stages.decode.params.attention=cpu_paged"]
-    llm = build_llm(over)
+    assert_deterministic_rows_alone_equal_batched(INT8, Int8LayerOps)
+
+
+def assert_deterministic_rows_alone_equal_batched(layer_ops: list[str], cls) -> None:
+    """``engine.deterministic`` with these layer ops: every prompt's tokens and logprobs alone equal batched."""
+    llm = build_llm([*layer_ops, "engine.deterministic=true", "pipeline.stages.decode.params.attention=cpu_paged"])
     ops = llm.engine.rt.model.ops
-    assert isinstance(ops, Int8LayerOps) and ops.deterministic
+    assert isinstance(ops, cls) and ops.deterministic
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     batched = _run(llm, PROMPTS[:6], params)
     alone = [_run(llm, [p], params)[0] for p in PROMPTS[:6]]

@@ -21,6 +21,7 @@ KERNEL_TESTS = (
     "tests/model/test_cpu_kernels.py",
     "tests/model/test_layer_ops.py",
     "tests/model/test_int8_ops.py",
+    "tests/model/test_int4_ops.py",
     "tests/model/test_row_linear.py",
     "tests/model/test_attention_cpu.py",
     "tests/model/test_parity.py",

@@ -118,6 +118,12 @@ template <typename T>
 void int8_rows(const T* x, const int8_t* w, const float* scale, const T* bias, T* y, int64_t M, int64_t K, int64_t O,
                int64_t o0, int64_t o1);
 
+// int4_linear.cpp's rows [o0, o1) of y = x @ W^T (+ bias), W = code * d + z in groups of `group` weights of a row
+// (z null: symmetric, z = -8 d), on the calling thread; S is the scales' dtype (float16 or bfloat16)
+template <typename T, typename S>
+void int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t group, const T* bias, T* y, int64_t M,
+               int64_t K, int64_t O, int64_t o0, int64_t o1);
+
 // paged_attention.cpp: its argument checks, and kv heads [h0, h1) of the queries of sequences [s0, s1) on the
 // calling thread
 void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

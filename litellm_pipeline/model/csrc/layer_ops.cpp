@@ -650,6 +650,7 @@ at::Tensor upconvert_linear(const at::Tensor& x, const at::Tensor& w, const c10:
 // at any count in the batch-invariant mode, else the weights widened to float32 and torch's GEMM; the sums scaled
 // and rounded once to x's dtype (int8_ops.py's linear, the same two paths).
 constexpr int64_t kInt8KernelRows = 64;  // int8_ops.INT8_KERNEL_MAX_ROWS
+constexpr int64_t kInt4KernelRows = 16;  // int4_ops.INT4_KERNEL_MAX_ROWS
 at::Tensor int8_any(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t max_rows,
                     const c10::optional<at::Tensor>& bias) {
   if (max_rows < 0 || x.size(0) <= kInt8KernelRows) return llp::int8_linear(x, w, scale, bias);
@@ -927,7 +928,12 @@ struct TeamLinear {
   const float* scale = nullptr;  // int8 weights: their per-row scales
   const void* bias = nullptr;
   int64_t O = 0, K = 0;
-  int64_t elt = 0;  // bytes per weight
+  int64_t elt = 0;  // bytes per weight (int4: 0, two a byte)
+  // 4-bit weights (int4_linear.cpp): [O, K / 2] codes, their groups' scales d and offsets z ([O, K / group], z null
+  // for symmetric groups) in float16 (half) or bfloat16
+  const void *q4_d = nullptr, *q4_z = nullptr;
+  int64_t group = 0;
+  bool half = false;
   int64_t max_m = std::numeric_limits<int64_t>::max();  // the most input rows its kernel takes in the team
 };
 
@@ -982,6 +988,13 @@ struct TeamJob {
 // expert e's weights of a [E, O, K] stack (and its scales) as one linear
 inline TeamLinear expert_linear(const TeamLinear& stack, int64_t e) {
   TeamLinear l = stack;
+  if (stack.q4_d) {  // two codes a byte; 2-byte scales
+    const int64_t groups = stack.O * (stack.K / stack.group);
+    l.w = static_cast<const char*>(stack.w) + e * stack.O * stack.K / 2;
+    l.q4_d = static_cast<const char*>(stack.q4_d) + e * groups * 2;
+    if (stack.q4_z) l.q4_z = static_cast<const char*>(stack.q4_z) + e * groups * 2;
+    return l;
+  }
   l.w = static_cast<const char*>(stack.w) + e * stack.O * stack.K * stack.elt;
   if (stack.scale) l.scale = stack.scale + e * stack.O;
   return l;
@@ -1051,7 +1064,16 @@ inline void take_rows(RowShare* q, int ns, int t, int64_t run, F&& f) {
 template <typename T>
 inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_t o0, int64_t o1) {
   if (o1 <= o0) return;
-  if (l.scale)
+  if (l.q4_d) {
+    const uint8_t* w = static_cast<const uint8_t*>(l.w);
+    if (l.half)
+      llp::int4_rows<T, c10::Half>(x, w, static_cast<const c10::Half*>(l.q4_d), static_cast<const c10::Half*>(l.q4_z),
+                                   l.group, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+    else
+      llp::int4_rows<T, c10::BFloat16>(x, w, static_cast<const c10::BFloat16*>(l.q4_d),
+                                       static_cast<const c10::BFloat16*>(l.q4_z), l.group,
+                                       static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+  } else if (l.scale)
     llp::int8_rows<T>(x, static_cast<const int8_t*>(l.w), l.scale, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
   else
     linear_rows<T>(x, static_cast<const T*>(l.w), static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
@@ -1253,10 +1275,26 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
     why = std::string(name) + ": " + what;
     return false;
   };
-  if (w.dim() < 2 || w.dim() > 3 || w.size(-1) != K) return no("unexpected shape");
+  const bool q4 = w.scalar_type() == at::kByte;  // two 4-bit codes a byte
+  if (w.dim() < 2 || w.dim() > 3 || w.size(-1) * (q4 ? 2 : 1) != K) return no("unexpected shape");
   if (!w.is_contiguous()) return no("not contiguous");
   const int64_t O = w.size(-2), E = w.dim() == 3 ? w.size(0) : 1;
-  if (w.scalar_type() == at::kChar) {
+  if (q4) {
+    // the groups' scales [.., O, K / group], or scales and offsets stacked [2, .., O, K / group] (asymmetric)
+    if (!scale.has_value() || !scale->defined() || !scale->is_contiguous() ||
+        (scale->scalar_type() != at::kHalf && scale->scalar_type() != at::kBFloat16))
+      return no("int4 without float16 / bfloat16 group scales");
+    const bool asym = scale->dim() == w.dim() + 1;
+    const at::Tensor d = asym ? (*scale)[0] : *scale;
+    if ((asym && scale->size(0) != 2) || d.dim() != w.dim() || d.size(-2) != O || (E > 1 && d.size(0) != E) ||
+        d.size(-1) == 0 || K % d.size(-1) != 0 || (K / d.size(-1)) % 32 != 0)
+      return no("int4 group scales of an unexpected shape");
+    out.q4_d = d.data_ptr();
+    out.q4_z = asym ? (*scale)[1].data_ptr() : nullptr;
+    out.group = K / d.size(-1);
+    out.half = scale->scalar_type() == at::kHalf;
+    if (max_rows >= 0) out.max_m = kInt4KernelRows;
+  } else if (w.scalar_type() == at::kChar) {
     if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
         !scale->is_contiguous())
       return no("int8 without float32 scales per row");
@@ -1367,7 +1405,8 @@ struct DecodePlan : torch::CustomClassHolder {
       if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, max_rows, H, L.qkv, why, "qkv") ||
           !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, max_rows, hq * D, L.o, why, "o") ||
           !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, max_rows, H, L.gate_up, why, "gate_up") ||
-          !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, max_rows, mlp_b[i].size(-1), L.down, why, "down"))
+          !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, max_rows,
+                          mlp_b[i].size(-1) * (mlp_b[i].scalar_type() == at::kByte ? 2 : 1), L.down, why, "down"))
         return false;
       if (L.qkv.O != QKV || L.o.O != H || L.down.O != H || L.gate_up.O != 2 * L.down.K) return no("projection shapes");
       for (const TeamLinear* l : {&L.qkv, &L.o, &L.gate_up, &L.down}) limit(*l);

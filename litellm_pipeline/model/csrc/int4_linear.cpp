@@ -1,0 +1,401 @@
+// 4-bit weight-only linear for ``layer_ops: cpu_int4``:
+//
+//   y[M, O] = x[M, K] @ W^T (+ bias[O]),   W[o, k] = n[o, k] * d[o, g] + z[o, g],   g = k / G
+//
+// n is a 4-bit code in [0, 15]; d the group's scale and z its offset (float16 or bfloat16, one per G weights of a
+// row); symmetric groups store no z and use z = -8 d (the code centred on 8). qw packs two codes per byte: in each
+// run of 32 weights of a row, byte j holds weight j in its low nibble and weight j + 16 in its high one (the
+// layout of llama.cpp's Q4_0 blocks), so 16 bytes unpack into two runs of 16 consecutive weights. G is a multiple
+// of 32 and K a multiple of G.
+//
+// Every weight is widened once (n exact in float32, n * d + z one fma: exact for symmetric groups, where
+// (n - 8) * d needs at most 15 bits), then every output is one float32 dot product over k in a fixed lane order,
+// scaled by nothing more, biased and rounded once to x's dtype. The order for one output never depends on M or on
+// the tile that computed it, so a row's result is the same alone or in any batch (batch-invariant).
+//
+// AVX-512 (F): tiles of R weight rows x up to 4 input rows, 16 float32 lanes; AVX2 (+FMA, F16C): the same with 8
+// lanes. Threads take runs of 8 output rows (at::parallel_for). Other builds run the scalar loop.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "cpu_math.h"
+
+#if defined(__AVX512F__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLP_Q4_AVX512 1
+#else
+#define LLP_Q4_AVX512 0
+#endif
+#if !LLP_Q4_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LLP_Q4_AVX2 1
+#else
+#define LLP_Q4_AVX2 0
+#endif
+
+namespace {
+
+using llp::to_f;
+
+// the arguments of one call, shared by every path
+template <typename T, typename S>
+struct Q4 {
+  const T* x;
+  const uint8_t* w;  // [O, K / 2]
+  const S* d;        // [O, K / G]
+  const S* z;        // [O, K / G], or null: symmetric (z = -8 d)
+  const T* bias;
+  T* y;
+  int64_t M, K, O, G;
+  int64_t groups() const { return K / G; }
+  float scale(int64_t o, int64_t g) const { return to_f(d[o * groups() + g]); }
+  float offset(int64_t o, int64_t g, float dg) const { return z ? to_f(z[o * groups() + g]) : -8.f * dg; }
+  T finish(float s, int64_t o) const { return llp::from_f<T>(bias ? s + to_f(bias[o]) : s); }
+};
+
+// the 4-bit code of weight k of a row (see the layout above)
+inline int code(const uint8_t* row, int64_t k) {
+  const uint8_t b = row[k / 32 * 16 + k % 16];
+  return (k % 32) < 16 ? (b & 0x0F) : (b >> 4);
+}
+
+// ------------------------------------------------------------------------------------------------------ scalar
+template <typename T, typename S>
+void q4_rows_scalar(const Q4<T, S>& a, int64_t o0, int64_t o1) {
+  const int64_t half = a.K / 2;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wr = a.w + o * half;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const T* xr = a.x + m * a.K;
+      float s = 0.f;
+      for (int64_t g = 0; g < a.groups(); ++g) {
+        const float dg = a.scale(o, g), zg = a.offset(o, g, dg);
+        for (int64_t k = g * a.G; k < (g + 1) * a.G; ++k)
+          s = std::fma(to_f(xr[k]), std::fma(static_cast<float>(code(wr, k)), dg, zg), s);
+      }
+      a.y[m * a.O + o] = a.finish(s, o);
+    }
+  }
+}
+
+#if LLP_Q4_AVX512
+// ----------------------------------------------------------------------------------------------------- AVX-512
+inline __m512 q4_x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 q4_x16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 q4_x16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+
+// MC input rows x R weight rows [o, o + R) over the whole K. Per group and weight row, the 16 weights its codes
+// stand for (n * d + z for n = 0..15, one fma each: what every path computes) fill one register; each 32-weight
+// run's 16 bytes are widened to 16 lanes once, and a lane's low 4 bits pick weight j's value from the register
+// (vpermps reads only those bits), then, shifted by 4, weight j + 16's: two shuffles and no conversion per 16
+// weights, each multiplied into every input row's accumulator
+template <typename T, typename S, int MC, int R>
+inline void q4_tile(const Q4<T, S>& a, int64_t o, int64_t m0) {
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t half = a.K / 2;
+  const uint8_t* w = a.w + o * half;
+  const T* x = a.x + m0 * a.K;
+  __m512 acc[MC][R];
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  // the R rows' scales and offsets of a chunk of groups, widened 16 at a time (one scalar conversion per group
+  // and row would cost as much as its 32 weights)
+  constexpr int64_t kChunk = 64;
+  alignas(64) float ds[R][kChunk], zs[R][kChunk];
+  const int64_t ng = a.groups();
+  for (int64_t g0 = 0; g0 < ng; g0 += kChunk) {
+    const int64_t gn = std::min(kChunk, ng - g0);
+    for (int r = 0; r < R; ++r) {
+      const S* dr = a.d + (o + r) * ng + g0;
+      const S* zr = a.z ? a.z + (o + r) * ng + g0 : nullptr;
+      int64_t j = 0;
+      for (; j + 16 <= gn; j += 16) {
+        const __m512 dv = q4_x16(dr + j);
+        _mm512_store_ps(ds[r] + j, dv);
+        _mm512_store_ps(zs[r] + j, zr ? q4_x16(zr + j) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f)));
+      }
+      for (; j < gn; ++j) {
+        ds[r][j] = to_f(dr[j]);
+        zs[r][j] = zr ? to_f(zr[j]) : -8.f * ds[r][j];
+      }
+    }
+    for (int64_t gi = 0; gi < gn; ++gi) {
+      __m512 table[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) table[r] = _mm512_fmadd_ps(iota, _mm512_set1_ps(ds[r][gi]), _mm512_set1_ps(zs[r][gi]));
+      const int64_t g = g0 + gi;
+      for (int64_t k = g * a.G; k < (g + 1) * a.G; k += 32) {
+        __m512i v[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          v[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * half + k / 2)));
+          _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * half + k / 2), _MM_HINT_T0);
+        }
+#pragma GCC unroll 2
+        for (int p = 0; p < 2; ++p) {  // weights k..k+15 (low nibbles), then k+16..k+31 (high ones)
+          __m512 wv[R];
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r)
+            wv[r] = _mm512_permutexvar_ps(p == 0 ? v[r] : _mm512_srli_epi32(v[r], 4), table[r]);
+#pragma GCC unroll 4
+          for (int m = 0; m < MC; ++m) {
+            const __m512 xv = q4_x16(x + m * a.K + k + 16 * p);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(_mm512_reduce_add_ps(acc[m][r]), o + r);
+}
+constexpr int kQ4R1 = 4, kQ4R = 4;  // weight rows per tile: one input row / several
+#endif
+
+#if LLP_Q4_AVX2
+// -------------------------------------------------------------------------------------------------------- AVX2
+inline __m256 q4_x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 q4_x8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m256 q4_x8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float q4_hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// as the AVX-512 tile, in four runs of 8 weights per 32 (low nibbles of bytes 0-7, 8-15, then the high ones)
+template <typename T, typename S, int MC, int R>
+inline void q4_tile(const Q4<T, S>& a, int64_t o, int64_t m0) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const int64_t half = a.K / 2;
+  const uint8_t* w = a.w + o * half;
+  const T* x = a.x + m0 * a.K;
+  __m256 acc[MC][R];
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < a.groups(); ++g) {
+    float dg[R], zg[R];
+    for (int r = 0; r < R; ++r) {
+      dg[r] = a.scale(o + r, g);
+      zg[r] = a.offset(o + r, g, dg[r]);
+    }
+    for (int64_t k = g * a.G; k < (g + 1) * a.G; k += 32) {
+      __m128i b[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        b[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * half + k / 2));
+        _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * half + k / 2), _MM_HINT_T0);
+      }
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // weights k + 8p .. k + 8p + 7
+        __m256 wv[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m128i nib = p < 2 ? _mm_and_si128(b[r], low) : _mm_and_si128(_mm_srli_epi16(b[r], 4), low);
+          const __m128i n = (p % 2) ? _mm_srli_si128(nib, 8) : nib;
+          wv[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(n)), _mm256_set1_ps(dg[r]),
+                                  _mm256_set1_ps(zg[r]));
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MC; ++m) {
+          const __m256 xv = q4_x8(x + m * a.K + k + 8 * p);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(q4_hsum8(acc[m][r]), o + r);
+}
+constexpr int kQ4R1 = 4, kQ4R = 4;  // 16 ymm registers: MC x R accumulators, R weight vectors, one input
+#endif
+
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+// output rows [o0, o1) for every input row: R-row tiles, 4 input rows at a time (then the rest), one row tiles
+// for the rows left over
+template <typename T, typename S>
+void q4_rows_vector(const Q4<T, S>& a, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  if (a.M == 1) {
+    for (; o + kQ4R1 <= o1; o += kQ4R1) q4_tile<T, S, 1, kQ4R1>(a, o, 0);
+  } else {
+    for (; o + kQ4R <= o1; o += kQ4R) {
+      int64_t m = 0;
+      for (; m + 4 <= a.M; m += 4) q4_tile<T, S, 4, kQ4R>(a, o, m);
+      switch (a.M - m) {
+        case 1: q4_tile<T, S, 1, kQ4R>(a, o, m); break;
+        case 2: q4_tile<T, S, 2, kQ4R>(a, o, m); break;
+        case 3: q4_tile<T, S, 3, kQ4R>(a, o, m); break;
+        default: break;
+      }
+    }
+  }
+  for (; o < o1; ++o)
+    for (int64_t m = 0; m < a.M; ++m) q4_tile<T, S, 1, 1>(a, o, m);
+}
+#endif
+
+std::string int4_linear_isa() { return LLP_Q4_AVX512 ? "avx512" : LLP_Q4_AVX2 ? "avx2" : "scalar"; }
+
+void check_q4(const at::Tensor& qw, const at::Tensor& scale, const c10::optional<at::Tensor>& zero, int64_t group,
+              int64_t K, const char* name) {
+  TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kByte && qw.is_contiguous(),
+              name, ": qw must be a contiguous uint8 [O, K / 2] tensor, got ", qw.scalar_type(), " ", qw.sizes());
+  TORCH_CHECK(group > 0 && group % 32 == 0, name, ": group size must be a positive multiple of 32, got ", group);
+  TORCH_CHECK(K % group == 0, name, ": K = ", K, " is not a multiple of the group size ", group);
+  TORCH_CHECK(qw.size(1) * 2 == K, name, ": qw holds ", qw.size(1) * 2, " weights per row, x has K = ", K);
+  const int64_t O = qw.size(0);
+  TORCH_CHECK((scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kBFloat16) && scale.is_contiguous() &&
+                  scale.dim() == 2 && scale.size(0) == O && scale.size(1) == K / group,
+              name, ": scale must be a contiguous float16 or bfloat16 [O, K / group] = [", O, ", ", K / group,
+              "] tensor, got ", scale.scalar_type(), " ", scale.sizes());
+  if (zero.has_value() && zero->defined())
+    TORCH_CHECK(zero->scalar_type() == scale.scalar_type() && zero->sizes() == scale.sizes() && zero->is_contiguous(),
+                name, ": zero must be a contiguous tensor of scale's dtype and shape");
+}
+
+at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                            const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias,
+                            bool force_scalar) {
+  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [M, K], got ", x.sizes());
+  const int64_t K = x.size(1);
+  check_q4(qw, scale, zero, group, K, "int4_linear");
+  const int64_t O = qw.size(0);
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == O && bias->scalar_type() == x.scalar_type(),
+                "int4_linear: bias must be an [O] tensor of x's dtype");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bc = bias.has_value() && bias->defined() ? bias->contiguous() : at::Tensor();
+  const bool asym = zero.has_value() && zero->defined();
+  const int64_t M = xc.size(0);
+  at::Tensor y = at::empty({M, O}, x.options());
+  if (M == 0 || O == 0) return y;
+  // output rows per task: a multiple of 8 whose weights are >= ~16 KB
+  const int64_t grain = std::max<int64_t>(1, (32768 + K - 1) / std::max<int64_t>(K, 1) / 8);
+  llp::dispatch_float_types(x.scalar_type(), "int4_linear", [&](auto tx) {
+    using T = decltype(tx);
+    auto run = [&](auto ts) {
+      using S = decltype(ts);
+      const Q4<T, S> a{xc.data_ptr<T>(), qw.data_ptr<uint8_t>(), static_cast<const S*>(scale.data_ptr()),
+                       asym ? static_cast<const S*>(zero->data_ptr()) : nullptr,
+                       bc.defined() ? bc.data_ptr<T>() : nullptr, y.data_ptr<T>(), M, K, O, group};
+      at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
+        const int64_t o0 = b * 8, o1 = std::min(O, e * 8);
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+        if (!force_scalar) return q4_rows_vector<T, S>(a, o0, o1);
+#endif
+        q4_rows_scalar<T, S>(a, o0, o1);
+      });
+    };
+    if (scale.scalar_type() == at::kHalf)
+      run(c10::Half{});
+    else
+      run(c10::BFloat16{});
+  });
+  return y;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias) {
+  return int4_linear_impl(x, qw, scale, zero, group, bias, false);
+}
+
+// the scalar loop on any build (what CPUs without AVX2 run): the tests compare it with the vector kernel
+at::Tensor int4_linear_scalar(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
+                              const c10::optional<at::Tensor>& zero, int64_t group,
+                              const c10::optional<at::Tensor>& bias) {
+  return int4_linear_impl(x, qw, scale, zero, group, bias, true);
+}
+
+// rows [r0, r1) of the float32 weights W (see the top), for the many-row path (then a float32 GEMM)
+at::Tensor int4_dequant(const at::Tensor& qw, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                        int64_t group, int64_t r0, int64_t r1) {
+  const int64_t K = qw.dim() == 2 ? qw.size(1) * 2 : 0;
+  check_q4(qw, scale, zero, group, K, "int4_dequant");
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= qw.size(0), "int4_dequant: rows [", r0, ", ", r1, ") out of ", qw.size(0));
+  at::Tensor out = at::empty({r1 - r0, K}, qw.options().dtype(at::kFloat));
+  const bool asym = zero.has_value() && zero->defined();
+  const int64_t groups = K / group, half = K / 2;
+  auto run = [&](auto ts) {
+    using S = decltype(ts);
+    const S* d = static_cast<const S*>(scale.data_ptr());
+    const S* z = asym ? static_cast<const S*>(zero->data_ptr()) : nullptr;
+    const uint8_t* w = qw.data_ptr<uint8_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(r0, r1, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t a, int64_t b) {
+      for (int64_t r = a; r < b; ++r) {
+        const uint8_t* wr = w + r * half;
+        float* orow = o + (r - r0) * K;
+        for (int64_t g = 0; g < groups; ++g) {
+          const float dg = to_f(d[r * groups + g]), zg = z ? to_f(z[r * groups + g]) : -8.f * dg;
+          for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += 32) {
+            const uint8_t* bytes = wr + k0 / 2;
+#pragma omp simd
+            for (int j = 0; j < 16; ++j) {
+              orow[k0 + j] = std::fma(static_cast<float>(bytes[j] & 0x0F), dg, zg);
+              orow[k0 + 16 + j] = std::fma(static_cast<float>(bytes[j] >> 4), dg, zg);
+            }
+          }
+        }
+      }
+    });
+  };
+  if (scale.scalar_type() == at::kHalf)
+    run(c10::Half{});
+  else
+    run(c10::BFloat16{});
+  return out;
+}
+
+}  // namespace
+
+// output rows [o0, o1) of y on the calling thread: what int4_linear runs on each of its threads (S: the scales'
+// dtype, float16 or bfloat16; z null for symmetric groups)
+template <typename T, typename S>
+void llp::int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t group, const T* bias, T* y,
+                    int64_t M, int64_t K, int64_t O, int64_t o0, int64_t o1) {
+  const Q4<T, S> a{x, w, d, z, bias, y, M, K, O, group};
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+  q4_rows_vector<T, S>(a, o0, o1);
+#else
+  q4_rows_scalar<T, S>(a, o0, o1);
+#endif
+}
+#define LLP_INT4_ROWS(T, S)                                                                                          \
+  template void llp::int4_rows<T, S>(const T*, const uint8_t*, const S*, const S*, int64_t, const T*, T*, int64_t, \
+                                     int64_t, int64_t, int64_t, int64_t);
+LLP_INT4_ROWS(float, c10::Half)
+LLP_INT4_ROWS(float, c10::BFloat16)
+LLP_INT4_ROWS(c10::BFloat16, c10::Half)
+LLP_INT4_ROWS(c10::BFloat16, c10::BFloat16)
+LLP_INT4_ROWS(c10::Half, c10::Half)
+LLP_INT4_ROWS(c10::Half, c10::BFloat16)
+#undef LLP_INT4_ROWS
+
+TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
+  m.def("int4_linear(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias) -> Tensor");
+  m.def("int4_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias) -> Tensor");
+  m.def("int4_dequant(Tensor qw, Tensor scale, Tensor? zero, int group, int r0, int r1) -> Tensor");
+  m.def("int4_linear_isa", &int4_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_linear_scalar", &int4_linear_scalar);
+  m.impl("int4_dequant", &int4_dequant);
+}
