@@ -332,7 +332,8 @@ def run_bench(cfg: Any) -> dict:
                 if dtype == "int8":
                     row["int8_lm_head"] = s.int8_lm_head
                 elif dtype == "int4":
-                    row["int4_lm_head"], row["int4_group_size"] = s.int4_lm_head, s.int4_group_size
+                    row["int4_lm_head"], row["int4_group_size"], row["int4_dot"] = (
+                        s.int4_lm_head, s.int4_group_size, s.int4_dot)
                 result["results"].append(row)
 
                 def mark(label: str, tag: str = f"{name}/{dtype}") -> None:

@@ -118,8 +118,8 @@ def _native(flag) -> str:
 
 def _precision_name(r: dict) -> str:
     if r["dtype"] == "int4":
-        return (f"int4 (group {r.get('int4_group_size') or 32}, {r.get('compute_dtype') or 'float32'} act"
-                f"{', int4 head' if r.get('int4_lm_head') else ''})")
+        return (f"int4 (group {r.get('int4_group_size') or 32}, {r.get('compute_dtype') or 'float32'} act, "
+                f"{r.get('int4_dot') or 'int8'} dot{', int4 head' if r.get('int4_lm_head') else ''})")
     if r["dtype"] != "int8":
         return r["dtype"]
     return f"int8 ({r.get('compute_dtype') or 'float32'} act{', int8 head' if r.get('int8_lm_head') else ''})"

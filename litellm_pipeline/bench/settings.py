@@ -31,6 +31,8 @@ class BenchSettings(_Section):
     int4_activations: Literal["float32", "bfloat16", "float16"] = "float32"
     int4_lm_head: bool = True
     int4_group_size: int = Field(default=32, ge=32, multiple_of=32)
+    # int8: activations quantized per 32 for integer dot products (llama.cpp's Q4_0 x Q8_0); float: exact ones
+    int4_dot: Literal["int8", "float"] = "int8"
     num_requests: int = Field(default=64, ge=1)
     prompt_len: tuple[int, int] = (16, 512)  # uniform, inclusive
     output_len: tuple[int, int] = (16, 256)
@@ -101,8 +103,8 @@ class BenchSettings(_Section):
                     "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
         if precision == "int4":
             return {"pipeline.stages.decode.params.layer_ops": "cpu_int4",
-                    "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int4_lm_head,
-                                                                       "group_size": self.int4_group_size}}
+                    "pipeline.stages.decode.params.layer_ops_params": {
+                        "lm_head": self.int4_lm_head, "group_size": self.int4_group_size, "activations": self.int4_dot}}
         return {}
 
     @field_validator("prompt_len", "output_len")

@@ -2,15 +2,19 @@
 
 Select with ``pipeline.stages.decode.params.layer_ops=cpu_int4``; its parameters
 (``pipeline.stages.decode.params.layer_ops_params={group_size: 32, symmetric: true, scale_dtype: float16,
-lm_head: false}``):
+lm_head: false, activations: int8}``):
 
 * ``group_size`` (32): weights of a row share a scale in runs of this many (a multiple of 32; 32 and 128 are the
   usual choices: 128 stores a quarter of the scales, 32 is closer to the float weights);
 * ``symmetric`` (true): codes centred on 8 with one scale per group, as llama.cpp's Q4_0 (the scale is the group's
-  largest-magnitude weight over -8, so that weight is exact); false adds an offset per group (the group's
-  minimum, scale = range / 15), as Q4_1;
+  largest-magnitude weight over -8, so that weight comes back up to the scale's rounding); false adds an offset
+  per group (the group's minimum, scale = range / 15), as Q4_1;
 * ``scale_dtype`` (float16): float16 or bfloat16 scales and offsets;
-* ``lm_head`` (false): the LM head quantized too (with tied embeddings it gets its own copy).
+* ``lm_head`` (false): the LM head quantized too (with tied embeddings it gets its own copy);
+* ``activations`` (int8): decode-size steps quantize each activation row to int8 in blocks of 32 and sum the
+  products of codes and activations exactly in integers (VNNI where the CPU has it), llama.cpp's Q4_0 x Q8_0
+  arithmetic; ``float`` keeps the activations exact and widens every weight to float32 instead (slower on CPUs
+  where the integer products are faster, and the weights' error is then the only one).
 
 When the decode stage binds these ops, ``prepare_weights`` quantizes the same projections ``cpu_int8`` does
 (attention ``qkv_proj`` / ``o_proj``, dense MLPs, MoE experts ``w13`` / ``w2``, shared experts; never embeddings,
@@ -20,11 +24,11 @@ routers, norms or biases) from whatever float checkpoint was loaded. A weight ``
 16-bit scales, 4.125 at 128. Every K must be a multiple of ``group_size``: a weight that is not is named in the
 error before anything is changed.
 
-``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``): each weight widened to
-float32 once (``code * scale + zero``), one float32 dot product per output in a fixed order, biased and rounded
-once to ``x``'s dtype, so a row's result does not depend on its batch (``engine.deterministic`` runs it at every
-row count). Steps with more than ``INT4_KERNEL_MAX_ROWS`` rows (prefill) widen the weights to float32 in blocks of
-rows and use torch's GEMM. The whole-model decode step of ``cpu_fused`` (its C++ ``DecodePlan``) runs the same
+``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``) in the arithmetic
+``activations`` names, per row in a fixed order, biased and rounded once to ``x``'s dtype, so a row's result does
+not depend on its batch (``engine.deterministic`` runs it at every row count). Steps with more than
+``INT4_KERNEL_MAX_ROWS`` rows (prefill) widen the weights to float32 in blocks of rows and use torch's GEMM with
+the exact activations. The whole-model decode step of ``cpu_fused`` (its C++ ``DecodePlan``) runs the same
 kernel on its threads for steps of up to ``INT4_KERNEL_MAX_ROWS`` rows; the per-layer fused paths do not take 4-bit
 weights (those steps run layer by layer through ``linear``). Expert offload (``moe.hot_experts``) is refused.
 
@@ -123,7 +127,7 @@ class Int4LayerOps(Int8LayerOps):
     NAME = "cpu_int4"
 
     def __init__(self, deterministic: bool = False, group_size: int = 32, symmetric: bool = True,
-                 scale_dtype: str = "float16", lm_head: bool = False):
+                 scale_dtype: str = "float16", lm_head: bool = False, activations: str = "int8"):
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 32:
             raise ValueError(f"layer_ops cpu_int4: group_size must be a positive multiple of 32 (e.g. 32 or 128), "
                              f"got {group_size!r}")
@@ -132,10 +136,14 @@ class Int4LayerOps(Int8LayerOps):
                              f"got {scale_dtype!r}")
         if not isinstance(symmetric, bool):
             raise ValueError(f"layer_ops cpu_int4: symmetric must be true or false, got {symmetric!r}")
+        if activations not in ("int8", "float"):
+            raise ValueError(f"layer_ops cpu_int4: activations must be int8 or float, got {activations!r}")
         super().__init__(deterministic, lm_head)
         self.group_size = group_size
         self.symmetric = symmetric
         self.scale_dtype = _SCALE_DTYPES[scale_dtype]
+        self.activations = activations
+        self.int4_q8 = activations == "int8"
         self._stacked: dict[tuple, torch.Tensor] = {}  # plan_scale's stacked scales and offsets
         self._int4_linear = self._int4_dequant = None
         if self._ok:
@@ -212,7 +220,7 @@ class Int4LayerOps(Int8LayerOps):
             and w.is_contiguous()
             and (self.deterministic or x.shape[0] <= INT4_KERNEL_MAX_ROWS)
         ):
-            return self._int4_linear(x, w, g.scale, g.zero, g.group, bias)
+            return self._int4_linear(x, w, g.scale, g.zero, g.group, bias, self.int4_q8)
         return self._widened_linear(x, w, g, bias)
 
     def _widened_linear(self, x: torch.Tensor, w: torch.Tensor, g: Int4Groups, bias) -> torch.Tensor:

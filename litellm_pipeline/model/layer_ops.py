@@ -344,7 +344,7 @@ class CpuFusedLayerOps(TorchLayerOps):
             w["o_b"], w["post_norm"], w["mlp_a"], w["mlp_b"], w["router"], w["windows"], w["eps"], w["qk_eps"],
             w["scale"], w["num_heads"], w["num_kv_heads"], w["head_dim"], w["moe_k"], w["moe_normalize"],
             self.max_rows.get(dtype, 0), *w["scales"], model.norm.weight if takes_head else None, model.norm.eps,
-            head if takes_head else None, self.plan_scale(head) if takes_head else None,
+            head if takes_head else None, self.plan_scale(head) if takes_head else None, self.int4_q8,
         )
 
     def plan_scale(self, w: torch.Tensor) -> torch.Tensor | None:
@@ -355,6 +355,9 @@ class CpuFusedLayerOps(TorchLayerOps):
     def plan_only(self, w: torch.Tensor) -> bool:
         """Whether only the decode plan's kernels (not the other whole-layer C++ paths) take weight ``w``."""
         return False
+
+    # whether the decode plan's 4-bit weights meet int8 activations (``cpu_int4``'s ``activations: int8``)
+    int4_q8 = False
 
     def _scale_lists(self, w: dict, h: torch.Tensor) -> list[list[torch.Tensor]] | None:
         """``[qkv, o, mlp_a, mlp_b]`` scale lists for ``decode_layers``: empty for float weights, one per layer

@@ -219,6 +219,16 @@ def test_int8_bytes_per_token_equal_the_quantized_model(tmp_path):
         assert report.weight_bytes_per_token(params, "int8", "float32", head) == held + scales
     assert report.weight_bytes_per_token(params, "bfloat16") == 2 * params["active_per_token"]
     assert report.weight_bytes_per_token(params, "float32") == 4 * params["active_per_token"]
+    for head, group in ((True, 32), (False, 64)):  # int4: two codes a byte plus a float16 scale per group
+        llm = LLM(model=str(path), overrides=[
+            "device.threads=1", "pipeline.stages.decode.params.layer_ops=cpu_int4",
+            f"pipeline.stages.decode.params.layer_ops_params={{lm_head: {str(head).lower()}, group_size: {group}}}"])
+        model = llm.engine.rt.model
+        held = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n != "embed_tokens")
+        scales = sum(g.scale.numel() * g.scale.element_size() for m in model.modules()
+                     for g in m.__dict__.get("int4_groups", {}).values())
+        assert (model.lm_head.dtype == torch.uint8) is head
+        assert report.weight_bytes_per_token(params, "int4", "float32", head, group) == held + scales
 
 
 def test_precision_table_compares_each_precision_with_float32():
@@ -321,11 +331,18 @@ def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_bench_int8_precision_beside_float32(tmp_path):
+def test_tiny_bench_int8_and_int4_precisions_beside_float32(tmp_path):
     tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
-    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32,int8]", *tiny)
-    fp, q8 = data["results"]
-    assert (fp["dtype"], q8["dtype"]) == ("float32", "int8")
+    data = run_bench_cli(tmp_path, "bench.models=[tiny_llama]", "bench.dtypes=[float32,int8,int4]", *tiny)
+    fp, q8, q4 = data["results"]
+    assert (fp["dtype"], q8["dtype"], q4["dtype"]) == ("float32", "int8", "int4")
+    assert (q4["int4_lm_head"], q4["int4_group_size"], q4["int4_dot"]) == (True, 32, "int8")
+    assert q4["engine"]["output_tokens"] == fp["engine"]["output_tokens"] and _positive(q4["batch1"]["tok_s"])
+    assert q4["peer_batched"] is None  # no int4 peer in transformers
+    ratio4 = q4["roofline"]["weight_bytes_per_token"] / fp["roofline"]["weight_bytes_per_token"]
+    assert 0.14 < ratio4 < 0.2  # (0.5 + 2 / 32) / 4 of the quantized weights, norms in float32
+    assert "int4 (group 32, float32 act, int8 dot, int4 head)" in data["_stdout"]
+    assert data["machine"]["int4_kernel"] in ("avx512", "avx2", "scalar")
     assert q8["compute_dtype"] == "float32" and q8["int8_lm_head"] is True
     assert q8["engine"]["output_tokens"] == fp["engine"]["output_tokens"] and _positive(q8["batch1"]["tok_s"])
     assert fp["peer_batched"] is not None or fp.get("peer_error")  # the float row keeps its peer
@@ -374,7 +391,7 @@ def test_llamacpp_peer_is_reported_unavailable_without_its_packages(monkeypatch)
 
 
 @pytest.mark.parametrize("name", ["tiny_llama", "tiny_mixtral"])
-@pytest.mark.parametrize("precision", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("precision", ["float32", "float16", "int8", "int4"])
 def test_gguf_written_for_the_llamacpp_peer_holds_the_checkpoint(tmp_path, name, precision):
     """Read back with gguf's own reader: llama.cpp's tensor names and shapes, the format of the precision, the
     values (Q8_0 within half a block step), Q/K rows in llama.cpp's rotary order, stacked Mixtral experts."""
@@ -394,7 +411,7 @@ def test_gguf_written_for_the_llamacpp_peer_holds_the_checkpoint(tmp_path, name,
     layers, experts = cfg["num_hidden_layers"], cfg.get("num_local_experts", 0)
     per_layer = 9 + (1 if experts else 0)  # 2 norms, q k v o, gate/up/down (dense) or the router and 3 stacks (MoE)
     assert len(tensors) == 3 + layers * per_layer
-    want = {"float32": "F32", "float16": "F16", "int8": "Q8_0"}[precision]
+    want = {"float32": "F32", "float16": "F16", "int8": "Q8_0", "int4": "Q4_0"}[precision]
 
     def values(t) -> np.ndarray:
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(d) for d in reversed(t.shape)])
@@ -402,7 +419,8 @@ def test_gguf_written_for_the_llamacpp_peer_holds_the_checkpoint(tmp_path, name,
     def close(a: np.ndarray, b: torch.Tensor) -> None:
         b = b.float().numpy()
         assert a.shape == b.shape
-        tol = {"float32": 0.0, "float16": 1e-3 * np.abs(b).max(), "int8": np.abs(b).max() / 127}[precision]
+        tol = {"float32": 0.0, "float16": 1e-3 * np.abs(b).max(), "int8": np.abs(b).max() / 127,
+               "int4": np.abs(b).max() / 7}[precision]
         assert np.abs(a - b).max() <= tol + 1e-7
 
     assert tensors["output_norm.weight"].tensor_type.name == "F32"

@@ -409,7 +409,7 @@ def _plan_of(args, final_norm=None, head=None, head_s=None):
     return torch.classes.litellm_pipeline_cpu.DecodePlan(
         a[1], a[2], a[3], a[4], a[5], a[8], a[9], a[14], a[15], a[16], a[17], a[18], a[19], a[20], a[21], a[22],
         a[23], a[24], a[25], a[26], a[27][0] if a[27] else 0, a[30], a[31], a[32], a[33], a[34], a[35], final_norm,
-        1e-5, head, head_s)
+        1e-5, head, head_s, False)
 
 
 def _plan_run(plan, args, logits):

@@ -62,6 +62,15 @@ struct Q4 {
   T finish(float s, int64_t o) const { return llp::from_f<T>(bias ? s + to_f(bias[o]) : s); }
 };
 
+// The next tile's R rows (R * K / 2 contiguous bytes after this tile's) asked for in memory order while this tile
+// runs: at byte offset `at` of a row (of K / 2), the lines of [R * at, R * (at + step)) of that region. R short
+// strided rows stream poorly on their own (int8_linear.cpp measured 20 -> 30 GB/s with the same order).
+inline void prefetch_next(const uint8_t* tile, int64_t R, int64_t half, int64_t at, int64_t step) {
+  const uint8_t* next = tile + R * half;
+  for (int64_t j = (R * at + 63) / 64 * 64; j < R * (at + step); j += 64)
+    __builtin_prefetch(next + j, 0, 3);
+}
+
 // the 4-bit code of weight k of a row (see the layout above)
 inline int code(const uint8_t* row, int64_t k) {
   const uint8_t b = row[k / 32 * 16 + k % 16];
@@ -140,8 +149,8 @@ inline void q4_tile(const Q4<T, S>& a, int64_t o, int64_t m0) {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           v[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * half + k / 2)));
-          _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * half + k / 2), _MM_HINT_T0);
         }
+        prefetch_next(w, R, half, k / 2, 16);
 #pragma GCC unroll 2
         for (int p = 0; p < 2; ++p) {  // weights k..k+15 (low nibbles), then k+16..k+31 (high ones)
           __m512 wv[R];
@@ -198,8 +207,8 @@ inline void q4_tile(const Q4<T, S>& a, int64_t o, int64_t m0) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         b[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + r * half + k / 2));
-        _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * half + k / 2), _MM_HINT_T0);
       }
+      prefetch_next(w, R, half, k / 2, 16);
 #pragma GCC unroll 4
       for (int p = 0; p < 4; ++p) {  // weights k + 8p .. k + 8p + 7
         __m256 wv[R];
@@ -250,6 +259,192 @@ void q4_rows_vector(const Q4<T, S>& a, int64_t o0, int64_t o1) {
 }
 #endif
 
+
+// ------------------------------------------------------------------------------------ int8 activations (q8)
+// llama.cpp's Q4_0 x Q8_0 arithmetic: each input row is quantized in blocks of 32 (xq = round(x / dx) in
+// [-127, 127], dx = max|x| / 127 of the block, the same bits on every path), the codes times xq summed exactly in
+// integers per block, then y = sum_b (d_g * dx_b) * sum_k n_k xq_k + sum_b z_g * (dx_b * sum_k xq_k) in float32,
+// z_g = -8 d_g for symmetric groups. Integer products do 4 (VNNI: one instruction) multiply-adds where the float
+// path widens every weight: about twice the weights per instruction, at the cost of rounding the activations.
+struct Q8Rows {  // M rows of x quantized: xq [M, K], dx and e = dx * sum(xq) per block [M, K / 32]
+  std::vector<int8_t> xq;
+  std::vector<float> dx, e;
+};
+
+template <typename T>
+void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q) {
+  const int64_t nb = K / 32;
+  q.xq.resize(M * K), q.dx.resize(M * nb), q.e.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const T* xb = x + m * K + b * 32;
+      float amax = 0.f;
+      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
+      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* qb = q.xq.data() + m * K + b * 32;
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) {
+        const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * inv));
+        qb[j] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+        sum += qb[j];
+      }
+      q.dx[m * nb + b] = d;
+      q.e[m * nb + b] = d * static_cast<float>(sum);
+    }
+}
+
+// the weight rows [o0, o1)'s 32-weight blocks against quantized rows: the scalar loop
+template <typename T, typename S>
+void q8_rows_scalar(const Q4<T, S>& a, const Q8Rows& q, int64_t o0, int64_t o1) {
+  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* wr = a.w + o * half;
+    for (int64_t m = 0; m < a.M; ++m) {
+      const int8_t* xq = q.xq.data() + m * a.K;
+      float acc = 0.f, off = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        for (int j = 0; j < 16; ++j) {
+          isum += (wr[b * 16 + j] & 0x0F) * xq[b * 32 + j];
+          isum += (wr[b * 16 + j] >> 4) * xq[b * 32 + 16 + j];
+        }
+        const float dg = a.scale(o, b / per);
+        acc = std::fma(static_cast<float>(isum), dg * q.dx[m * nb + b], acc);
+        off = std::fma(a.offset(o, b / per, dg), q.e[m * nb + b], off);
+      }
+      a.y[m * a.O + o] = a.finish(acc + off, o);
+    }
+  }
+}
+
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+// 32 codes of a block, in weight order (the low nibbles are weights 0-15, the high ones 16-31)
+inline __m256i q8_codes(const uint8_t* p) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+// 8 lanes of sums of 4 products codes (u8) x xq (s8), exact: VNNI's one instruction, else pairs then quads
+inline __m256i q8_dot(__m256i codes, __m256i xq) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), codes, xq);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), codes, xq);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xq), _mm256_set1_epi16(1));  // |pair| <= 2 * 15 * 127
+#endif
+}
+inline float q8_hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// MC quantized input rows x R weight rows: a block's codes unpacked once per weight row, then one integer dot
+// product, conversion and scaled accumulation per input row
+// n scales (or offsets) widened to float32, 8 at a time (F16C / a shift): a scalar conversion per group and row
+// costs more than its 32 products
+inline void widen(const c10::Half* p, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
+  for (; j < n; ++j) out[j] = to_f(p[j]);
+}
+inline void widen(const c10::BFloat16* p, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))), 16)));
+  for (; j < n; ++j) out[j] = to_f(p[j]);
+}
+
+// MC quantized input rows x R weight rows: a block's codes unpacked once per weight row, then one integer dot
+// product, conversion and scaled accumulation per input row; the offsets' part summed in scalars alongside
+template <typename T, typename S, int MC, int R>
+inline void q8_tile(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
+  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
+  constexpr int64_t kChunk = 64;  // groups whose scales are widened at a time
+  alignas(32) float ds[R][kChunk], zs[R][kChunk];
+  __m256 acc[MC][R];
+  float off[MC][R] = {};
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g0 = 0; g0 < ng; g0 += kChunk) {
+    const int64_t gn = std::min(kChunk, ng - g0);
+    for (int r = 0; r < R; ++r) {
+      widen(a.d + (o + r) * ng + g0, ds[r], gn);
+      if (a.z)
+        widen(a.z + (o + r) * ng + g0, zs[r], gn);
+      else
+        for (int64_t j = 0; j < gn; ++j) zs[r][j] = -8.f * ds[r][j];
+    }
+    for (int64_t b = g0 * per; b < (g0 + gn) * per; ++b) {
+      const int64_t gi = b / per - g0;
+      __m256i codes[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        codes[r] = q8_codes(a.w + (o + r) * half + b * 16);
+      }
+      prefetch_next(a.w + o * half, R, half, b * 16, 16);
+#pragma GCC unroll 4
+      for (int m = 0; m < MC; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + (m0 + m) * a.K + b * 32));
+        const float dx = q.dx[(m0 + m) * nb + b], e = q.e[(m0 + m) * nb + b];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot(codes[r], xv)), _mm256_set1_ps(ds[r][gi] * dx),
+                                      acc[m][r]);
+          off[m][r] = std::fma(zs[r][gi], e, off[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(q8_hsum8(acc[m][r]) + off[m][r], o + r);
+}
+
+constexpr int kQ8R1 = LLP_Q4_AVX512 ? 8 : 4;  // weight rows per tile for one input row (registers: 32 / 16)
+
+template <typename T, typename S>
+void q8_rows_vector(const Q4<T, S>& a, const Q8Rows& q, int64_t o0, int64_t o1) {
+  int64_t o = o0;
+  if (a.M == 1) {
+    for (; o + kQ8R1 <= o1; o += kQ8R1) q8_tile<T, S, 1, kQ8R1>(a, q, o, 0);
+  } else {
+    for (; o + 2 <= o1; o += 2) {
+      int64_t m = 0;
+      for (; m + 4 <= a.M; m += 4) q8_tile<T, S, 4, 2>(a, q, o, m);
+      switch (a.M - m) {
+        case 1: q8_tile<T, S, 1, 2>(a, q, o, m); break;
+        case 2: q8_tile<T, S, 2, 2>(a, q, o, m); break;
+        case 3: q8_tile<T, S, 3, 2>(a, q, o, m); break;
+        default: break;
+      }
+    }
+  }
+  for (; o < o1; ++o)
+    for (int64_t m = 0; m < a.M; ++m) q8_tile<T, S, 1, 1>(a, q, o, m);
+}
+#endif
+
+// rows [o0, o1) with int8 activations (q8) or the float ones, on the vector path where the build has one
+template <typename T, typename S>
+void q4_rows(const Q4<T, S>& a, const Q8Rows* q, int64_t o0, int64_t o1, bool force_scalar) {
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+  if (!force_scalar) return q ? q8_rows_vector<T, S>(a, *q, o0, o1) : q4_rows_vector<T, S>(a, o0, o1);
+#endif
+  return q ? q8_rows_scalar<T, S>(a, *q, o0, o1) : q4_rows_scalar<T, S>(a, o0, o1);
+}
+
+std::string int4_linear_dot() {
+#if (LLP_Q4_AVX512 || LLP_Q4_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+  return "vnni";
+#elif LLP_Q4_AVX512 || LLP_Q4_AVX2
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 std::string int4_linear_isa() { return LLP_Q4_AVX512 ? "avx512" : LLP_Q4_AVX2 ? "avx2" : "scalar"; }
 
 void check_q4(const at::Tensor& qw, const at::Tensor& scale, const c10::optional<at::Tensor>& zero, int64_t group,
@@ -271,7 +466,7 @@ void check_q4(const at::Tensor& qw, const at::Tensor& scale, const c10::optional
 
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias,
-                            bool force_scalar) {
+                            bool q8, bool force_scalar) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [M, K], got ", x.sizes());
   const int64_t K = x.size(1);
   check_q4(qw, scale, zero, group, K, "int4_linear");
@@ -294,12 +489,10 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
       const Q4<T, S> a{xc.data_ptr<T>(), qw.data_ptr<uint8_t>(), static_cast<const S*>(scale.data_ptr()),
                        asym ? static_cast<const S*>(zero->data_ptr()) : nullptr,
                        bc.defined() ? bc.data_ptr<T>() : nullptr, y.data_ptr<T>(), M, K, O, group};
+      Q8Rows q;
+      if (q8) quantize_q8<T>(a.x, M, K, q);
       at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
-        const int64_t o0 = b * 8, o1 = std::min(O, e * 8);
-#if LLP_Q4_AVX512 || LLP_Q4_AVX2
-        if (!force_scalar) return q4_rows_vector<T, S>(a, o0, o1);
-#endif
-        q4_rows_scalar<T, S>(a, o0, o1);
+        q4_rows<T, S>(a, q8 ? &q : nullptr, b * 8, std::min(O, e * 8), force_scalar);
       });
     };
     if (scale.scalar_type() == at::kHalf)
@@ -311,15 +504,16 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias) {
-  return int4_linear_impl(x, qw, scale, zero, group, bias, false);
+                       const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias,
+                       bool q8) {
+  return int4_linear_impl(x, qw, scale, zero, group, bias, q8, false);
 }
 
 // the scalar loop on any build (what CPUs without AVX2 run): the tests compare it with the vector kernel
 at::Tensor int4_linear_scalar(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
                               const c10::optional<at::Tensor>& zero, int64_t group,
-                              const c10::optional<at::Tensor>& bias) {
-  return int4_linear_impl(x, qw, scale, zero, group, bias, true);
+                              const c10::optional<at::Tensor>& bias, bool q8) {
+  return int4_linear_impl(x, qw, scale, zero, group, bias, q8, true);
 }
 
 // rows [r0, r1) of the float32 weights W (see the top), for the many-row path (then a float32 GEMM)
@@ -366,19 +560,38 @@ at::Tensor int4_dequant(const at::Tensor& qw, const at::Tensor& scale, const c10
 
 // output rows [o0, o1) of y on the calling thread: what int4_linear runs on each of its threads (S: the scales'
 // dtype, float16 or bfloat16; z null for symmetric groups)
+namespace {
+// this thread's rows quantized by int4_prepare, and which rows they are (x null: none)
+thread_local Q8Rows prepared;
+thread_local const void* prepared_x = nullptr;
+thread_local int64_t prepared_m = 0, prepared_k = 0;
+}  // namespace
+
+template <typename T>
+void llp::int4_prepare(const T* x, int64_t M, int64_t K) {
+  quantize_q8<T>(x, M, K, prepared);
+  prepared_x = x, prepared_m = M, prepared_k = K;
+}
+void llp::int4_release() { prepared_x = nullptr; }
+template void llp::int4_prepare<float>(const float*, int64_t, int64_t);
+template void llp::int4_prepare<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t);
+template void llp::int4_prepare<c10::Half>(const c10::Half*, int64_t, int64_t);
+
 template <typename T, typename S>
 void llp::int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t group, const T* bias, T* y,
-                    int64_t M, int64_t K, int64_t O, int64_t o0, int64_t o1) {
+                    int64_t M, int64_t K, int64_t O, int64_t o0, int64_t o1, bool q8) {
   const Q4<T, S> a{x, w, d, z, bias, y, M, K, O, group};
-#if LLP_Q4_AVX512 || LLP_Q4_AVX2
-  q4_rows_vector<T, S>(a, o0, o1);
-#else
-  q4_rows_scalar<T, S>(a, o0, o1);
-#endif
+  if (!q8) return q4_rows<T, S>(a, nullptr, o0, o1, false);
+  if (prepared_x != x || prepared_m != M || prepared_k != K) {  // not prepared: quantized for this call alone
+    thread_local Q8Rows q;
+    quantize_q8<T>(x, M, K, q);
+    return q4_rows<T, S>(a, &q, o0, o1, false);
+  }
+  q4_rows<T, S>(a, &prepared, o0, o1, false);
 }
 #define LLP_INT4_ROWS(T, S)                                                                                          \
   template void llp::int4_rows<T, S>(const T*, const uint8_t*, const S*, const S*, int64_t, const T*, T*, int64_t, \
-                                     int64_t, int64_t, int64_t, int64_t);
+                                     int64_t, int64_t, int64_t, int64_t, bool);
 LLP_INT4_ROWS(float, c10::Half)
 LLP_INT4_ROWS(float, c10::BFloat16)
 LLP_INT4_ROWS(c10::BFloat16, c10::Half)
@@ -388,10 +601,11 @@ LLP_INT4_ROWS(c10::Half, c10::BFloat16)
 #undef LLP_INT4_ROWS
 
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias) -> Tensor");
-  m.def("int4_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8) -> Tensor");
+  m.def("int4_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8) -> Tensor");
   m.def("int4_dequant(Tensor qw, Tensor scale, Tensor? zero, int group, int r0, int r1) -> Tensor");
   m.def("int4_linear_isa", &int4_linear_isa);
+  m.def("int4_linear_dot", &int4_linear_dot);
 }
 
 TORCH_LIBRARY_IMPL(litellm_pipeline_cpu, CPU, m) {

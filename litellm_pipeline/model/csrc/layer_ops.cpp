@@ -934,6 +934,7 @@ struct TeamLinear {
   const void *q4_d = nullptr, *q4_z = nullptr;
   int64_t group = 0;
   bool half = false;
+  bool q8 = false;  // 4-bit weights against int8 activations (int4_linear.cpp's q8 arithmetic)
   int64_t max_m = std::numeric_limits<int64_t>::max();  // the most input rows its kernel takes in the team
 };
 
@@ -1068,11 +1069,11 @@ inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_
     const uint8_t* w = static_cast<const uint8_t*>(l.w);
     if (l.half)
       llp::int4_rows<T, c10::Half>(x, w, static_cast<const c10::Half*>(l.q4_d), static_cast<const c10::Half*>(l.q4_z),
-                                   l.group, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+                                   l.group, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8);
     else
       llp::int4_rows<T, c10::BFloat16>(x, w, static_cast<const c10::BFloat16*>(l.q4_d),
                                        static_cast<const c10::BFloat16*>(l.q4_z), l.group,
-                                       static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
+                                       static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8);
   } else if (l.scale)
     llp::int8_rows<T>(x, static_cast<const int8_t*>(l.w), l.scale, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
   else
@@ -1098,6 +1099,14 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   // the rows a thread claims at a time: for one input row 32 (64 KB of a 512-wide float32 matrix; one
   // compare-and-swap on the thread's own line each), for more the 64-row weight blocks of linear_rows
   auto rows = [&](RowShare* q, int64_t m, auto&& f) { take_rows(q, J.row_shares, t, m == 1 ? 32 : 64, f); };
+  // the rows of a projection `l` of the m rows of `in`: for 4-bit weights against int8 activations, `in` is
+  // quantized once per thread first (not again for every run of rows it takes), and forgotten after
+  auto rows_of = [&](RowShare* q, const TeamLinear& l, const T* in, int64_t m, auto&& f) {
+    const bool q8 = l.q4_d && l.q8;
+    if (q8) llp::int4_prepare<T>(in, m, l.K);
+    rows(q, m, f);
+    if (q8) llp::int4_release();
+  };
   const int64_t runs = J.attn_runs, nk = hk / runs, nq = nk * G;  // attention items: (row, run of nk kv heads)
   struct {  // this thread's routing of a MoE layer, made once per step
     std::vector<T> logits_t;
@@ -1113,7 +1122,8 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   for (const TeamLayer& L : J.layers) {
     const size_t li = &L - J.layers.data();
     for (int64_t m = 0; m < M; ++m) norm_row<T>(h + m * H, static_cast<const T*>(L.in_norm), J.eps, x + m * H, H);
-    rows(J.rows_of(li, kQkvRows), M, [&](int64_t r0, int64_t r1) { team_linear<T>(x, L.qkv, qkv, M, r0, r1); });
+    rows_of(J.rows_of(li, kQkvRows), L.qkv, x, M,
+            [&](int64_t r0, int64_t r1) { team_linear<T>(x, L.qkv, qkv, M, r0, r1); });
     if (!bar.wait()) return;
     // a thread takes the next item until none is left: rows' contexts differ in length, and a thread that
     // stalls leaves its work to the others. An item rotates its row's q and k heads, writes their K/V rows and
@@ -1158,7 +1168,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       }
     }
     if (!bar.wait()) return;
-    rows(J.rows_of(li, kORows), M, [&](int64_t r0, int64_t r1) {
+    rows_of(J.rows_of(li, kORows), L.o, static_cast<const T*>(J.attn.data_ptr()), M, [&](int64_t r0, int64_t r1) {
       team_linear<T>(static_cast<const T*>(J.attn.data_ptr()), L.o, a, M, r0, r1);
     });
     if (!bar.wait()) return;
@@ -1170,7 +1180,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     // m_in rows of `in` through gate_up and SiLU * up into act_rows (gu_rows: their stacked projection), in runs
     // of gate rows [i0, i1) and the up rows that pair with them: SiLU * up needs nothing from another thread
     auto up = [&](const T* in, int64_t m_in, const TeamLinear& gate_up, T* gu_rows, T* act_rows, RowShare* q) {
-      rows(q, m_in, [&](int64_t i0, int64_t i1) {
+      rows_of(q, gate_up, in, m_in, [&](int64_t i0, int64_t i1) {
         team_linear<T>(in, gate_up, gu_rows, m_in, i0, i1);
         team_linear<T>(in, gate_up, gu_rows, m_in, I + i0, I + i1);
         for (int64_t m = 0; m < m_in; ++m)
@@ -1180,7 +1190,8 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     if (!L.router.defined()) {
       up(x, M, L.gate_up, gu, act, J.rows_of(li, kUpRows));
       if (!bar.wait()) return;
-      rows(J.rows_of(li, kDownRows), M, [&](int64_t r0, int64_t r1) { team_linear<T>(act, L.down, d, M, r0, r1); });
+      rows_of(J.rows_of(li, kDownRows), L.down, act, M,
+              [&](int64_t r0, int64_t r1) { team_linear<T>(act, L.down, d, M, r0, r1); });
       if (!bar.wait()) return;
       for (int64_t m = 0; m < M; ++m) add_rows<T>(sum + m * H, d + m * H, h + m * H, H);
       continue;
@@ -1221,7 +1232,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       const int64_t ne = static_cast<int64_t>(slots[e].size());
       if (ne == 0) continue;
       const TeamLinear down = expert_linear(L.down, e);
-      rows(J.rows_of(li, kPhases + J.E + e), ne, [&](int64_t r0, int64_t r1) {
+      rows_of(J.rows_of(li, kPhases + J.E + e), down, act + off * I, ne, [&](int64_t r0, int64_t r1) {
         team_linear<T>(act + off * I, down, ys + off * H, ne, r0, r1);
       });
       off += ne;
@@ -1248,7 +1259,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
   T* y = static_cast<T*>(J.head_out);
   if (J.row_max != nullptr)
     for (int64_t m = 0; m < M; ++m) J.row_max[t * M + m] = RowMax{-1, 0.f, false};  // none searched yet
-  rows(J.head_rows(), M, [&](int64_t v0, int64_t v1) {
+  rows_of(J.head_rows(), J.head, x, M, [&](int64_t v0, int64_t v1) {
     team_linear<T>(x, J.head, y, M, v0, v1);
     if constexpr (!std::is_same_v<T, float>) {
       for (int64_t m = 0; m < M; ++m)
@@ -1270,7 +1281,7 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
 // or int8_linear's). A 3-D w is a MoE block's stack of experts [E, O, K] (scales [E, O]); `out` is then expert
 // 0's. False (and `why` says what) where the team cannot run it.
 bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& bias,
-                    at::ScalarType t, int64_t max_rows, int64_t K, TeamLinear& out, std::string& why, const char* name) {
+                    at::ScalarType t, int64_t max_rows, int64_t K, TeamLinear& out, std::string& why, const char* name, bool q8 = false) {
   auto no = [&](const char* what) {
     why = std::string(name) + ": " + what;
     return false;
@@ -1293,6 +1304,7 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
     out.q4_z = asym ? (*scale)[1].data_ptr() : nullptr;
     out.group = K / d.size(-1);
     out.half = scale->scalar_type() == at::kHalf;
+    out.q8 = q8;
     if (max_rows >= 0) out.max_m = kInt4KernelRows;
   } else if (w.scalar_type() == at::kChar) {
     if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
@@ -1372,7 +1384,7 @@ struct DecodePlan : torch::CustomClassHolder {
              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k, bool moe_normalize,
              int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
              at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
-             const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
+             const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s, bool int4_q8) {
 #if LLP_SIMD
     if (in_norm.empty()) return no("no layers");
     const at::ScalarType t = in_norm[0].scalar_type();
@@ -1402,11 +1414,13 @@ struct DecodePlan : torch::CustomClassHolder {
       if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return no("q/k norm weights");
       const int64_t mlp_dims = router.empty() ? 2 : 3;  // a MoE block's experts are [E, O, K] stacks
       if (mlp_a[i].dim() != mlp_dims || mlp_b[i].dim() != mlp_dims) return no("MLP weight shapes");
-      if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, max_rows, H, L.qkv, why, "qkv") ||
-          !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, max_rows, hq * D, L.o, why, "o") ||
-          !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, max_rows, H, L.gate_up, why, "gate_up") ||
+      if (!team_linear_of(qkv_w[i], opt(qkv_s, i), opt(qkv_b, i), t, max_rows, H, L.qkv, why, "qkv", int4_q8) ||
+          !team_linear_of(o_w[i], opt(o_s, i), opt(o_b, i), t, max_rows, hq * D, L.o, why, "o", int4_q8) ||
+          !team_linear_of(mlp_a[i], opt(mlp_a_s, i), c10::nullopt, t, max_rows, H, L.gate_up, why, "gate_up",
+                          int4_q8) ||
           !team_linear_of(mlp_b[i], opt(mlp_b_s, i), c10::nullopt, t, max_rows,
-                          mlp_b[i].size(-1) * (mlp_b[i].scalar_type() == at::kByte ? 2 : 1), L.down, why, "down"))
+                          mlp_b[i].size(-1) * (mlp_b[i].scalar_type() == at::kByte ? 2 : 1), L.down, why, "down",
+                          int4_q8))
         return false;
       if (L.qkv.O != QKV || L.o.O != H || L.down.O != H || L.gate_up.O != 2 * L.down.K) return no("projection shapes");
       for (const TeamLinear* l : {&L.qkv, &L.o, &L.gate_up, &L.down}) limit(*l);
@@ -1436,7 +1450,7 @@ struct DecodePlan : torch::CustomClassHolder {
         head_why = "final norm weight";
       } else if (head->dim() != 2) {
         head_why = "lm_head: unexpected shape";
-      } else if (team_linear_of(*head, head_s, c10::nullopt, t, max_rows, H, hl, head_why, "lm_head")) {
+      } else if (team_linear_of(*head, head_s, c10::nullopt, t, max_rows, H, hl, head_why, "lm_head", int4_q8)) {
         J.head = hl;
       }
     }
@@ -1750,13 +1764,13 @@ c10::intrusive_ptr<DecodePlan> make_decode_plan(
     double qk_eps, double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
     bool moe_normalize, int64_t max_rows, at::TensorList qkv_s, at::TensorList o_s, at::TensorList mlp_a_s,
     at::TensorList mlp_b_s, const c10::optional<at::Tensor>& final_norm, double final_eps,
-    const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s) {
+    const c10::optional<at::Tensor>& head, const c10::optional<at::Tensor>& head_s, bool int4_q8) {
   check_layer_lists(in_norm.size(), qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a,
                     mlp_b, router, windows, qkv_s, o_s, mlp_a_s, mlp_b_s);
   auto plan = c10::make_intrusive<DecodePlan>();
   plan->build(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a, mlp_b, router,
               windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, moe_k, moe_normalize, max_rows, qkv_s,
-              o_s, mlp_a_s, mlp_b_s, final_norm, final_eps, head, head_s);
+              o_s, mlp_a_s, mlp_b_s, final_norm, final_eps, head, head_s, int4_q8);
   return plan;
 }
 
@@ -1785,7 +1799,7 @@ at::Tensor decode_layers(const at::Tensor& h_in, at::TensorList in_norm, at::Ten
                                        post_norm, mlp_a, mlp_b, router, windows, eps, qk_eps, scale, num_heads,
                                        num_kv_heads, head_dim, router.empty() ? 0 : moe_ks[0], moe_normalize,
                                        max_rows, qkv_s, o_s, mlp_a_s, mlp_b_s, c10::nullopt, 0.0, c10::nullopt,
-                                       c10::nullopt);
+                                       c10::nullopt, false);
     const auto out = plan->run(h_in, cos, sin, slot_mapping, rows, kv_slots, ctx_lens, moe_ks, moe_top_k, moe_allowed,
                                false);
     if (out.has_value()) return *out;
@@ -1827,11 +1841,11 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
                           double scale, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t moe_k,
                           bool moe_normalize, int64_t max_rows, Tensors qkv_s, Tensors o_s, Tensors mlp_a_s,
                           Tensors mlp_b_s, c10::optional<at::Tensor> final_norm, double final_eps,
-                          c10::optional<at::Tensor> head, c10::optional<at::Tensor> head_s) {
+                          c10::optional<at::Tensor> head, c10::optional<at::Tensor> head_s, bool int4_q8) {
         return make_decode_plan(in_norm, qkv_w, qkv_b, q_norm, k_norm, k_caches, v_caches, o_w, o_b, post_norm, mlp_a,
                                 mlp_b, router, windows, eps, qk_eps, scale, num_heads, num_kv_heads, head_dim, moe_k,
                                 moe_normalize, max_rows, qkv_s, o_s, mlp_a_s, mlp_b_s, final_norm, final_eps, head,
-                                head_s);
+                                head_s, int4_q8);
       }))
       .def("run",
            [](const c10::intrusive_ptr<DecodePlan>& self, at::Tensor h, at::Tensor cos, at::Tensor sin,
