@@ -330,7 +330,7 @@ def run_bench(cfg: Any) -> dict:
                 row: dict[str, Any] = {"model": name, "dtype": dtype, "compute_dtype": s.compute_dtype(dtype),
                                        "partial": True}
                 if dtype == "int8":
-                    row["int8_lm_head"] = s.int8_lm_head
+                    row["int8_lm_head"], row["int8_dot"] = s.int8_lm_head, s.int8_dot
                 elif dtype == "int4":
                     row["int4_lm_head"], row["int4_group_size"], row["int4_dot"] = (
                         s.int4_lm_head, s.int4_group_size, s.int4_dot)

@@ -122,7 +122,8 @@ def _precision_name(r: dict) -> str:
                 f"{r.get('int4_dot') or 'int8'} dot{', int4 head' if r.get('int4_lm_head') else ''})")
     if r["dtype"] != "int8":
         return r["dtype"]
-    return f"int8 ({r.get('compute_dtype') or 'float32'} act{', int8 head' if r.get('int8_lm_head') else ''})"
+    dot = ", int8 GEMM" if r.get("int8_dot") == "int8" else ""
+    return f"int8 ({r.get('compute_dtype') or 'float32'} act{dot}{', int8 head' if r.get('int8_lm_head') else ''})"
 
 
 def precision_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:

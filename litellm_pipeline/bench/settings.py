@@ -28,6 +28,8 @@ class BenchSettings(_Section):
         default=["float32", "bfloat16"], min_length=1)
     int8_activations: Literal["float32", "bfloat16", "float16"] = "float32"
     int8_lm_head: bool = True
+    # int8: prefill and large batches quantize activations per token for the int8 x int8 GEMM; float: exact ones
+    int8_dot: Literal["float", "int8"] = "float"
     int4_activations: Literal["float32", "bfloat16", "float16"] = "float32"
     int4_lm_head: bool = True
     int4_group_size: int = Field(default=32, ge=32, multiple_of=32)
@@ -100,7 +102,8 @@ class BenchSettings(_Section):
         """Engine config overrides a precision adds to ``engine`` (int8 / int4: the cpu_int8 / cpu_int4 layer ops)."""
         if precision == "int8":
             return {"pipeline.stages.decode.params.layer_ops": "cpu_int8",
-                    "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head}}
+                    "pipeline.stages.decode.params.layer_ops_params": {"lm_head": self.int8_lm_head,
+                                                                       "activations": self.int8_dot}}
         if precision == "int4":
             return {"pipeline.stages.decode.params.layer_ops": "cpu_int4",
                     "pipeline.stages.decode.params.layer_ops_params": {

@@ -136,9 +136,7 @@ class Int4LayerOps(Int8LayerOps):
                              f"got {scale_dtype!r}")
         if not isinstance(symmetric, bool):
             raise ValueError(f"layer_ops cpu_int4: symmetric must be true or false, got {symmetric!r}")
-        if activations not in ("int8", "float"):
-            raise ValueError(f"layer_ops cpu_int4: activations must be int8 or float, got {activations!r}")
-        super().__init__(deterministic, lm_head)
+        super().__init__(deterministic, lm_head, activations)
         self.group_size = group_size
         self.symmetric = symmetric
         self.scale_dtype = _SCALE_DTYPES[scale_dtype]

@@ -27,6 +27,14 @@ The fused whole-layer C++ paths of ``cpu_fused`` (``decode_attention``, ``decode
 (the kernel up to ``INT8_KERNEL_MAX_ROWS`` rows, else widened + GEMM), so a decode step is one C++ call as with
 float weights. Expert offload (``moe.hot_experts``) copies float expert weights between devices and is refused.
 
+``activations: int8`` (``layer_ops_params={activations: int8}``; default ``float``) makes steps of more than
+``INT8_KERNEL_MAX_ROWS`` rows (prefill, large batches) quantize each row of activations to int8 (one scale per
+token, ``max|x| / 127``) and multiply through torch's int8 x int8 GEMM (exact int32 sums; VNNI / AMX where the CPU
+has them) instead of widening the weights: several times the float32 GEMM's speed, at the cost of rounding the
+activations (measured in the tests and docs/quantization.md). Decode-size steps keep exact activations (they are
+bound by memory, not arithmetic). Not with ``engine.deterministic`` (a row's arithmetic would depend on its
+step's size).
+
 Accuracy: the demo model's greedy tokens and logprobs drift from the float32 run by the quantization error; see
 ``tests/model/test_int8_ops.py`` for the measured bounds.
 """
@@ -75,6 +83,20 @@ def dequant_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: 
     return y.to(x.dtype)
 
 
+def int8_gemm_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (q * scale)^T (+ bias)`` with x quantized per row (token): ``sx = max|x_row| / 127``, ``xq =
+    round(x / sx)``; the int8 x int8 products summed exactly in int32 (torch's integer GEMM: VNNI / AMX where the
+    CPU has them), then ``* sx * scale (+ bias)`` in float32, rounded once to x's dtype. A row's result depends on
+    that row alone."""
+    xf = x.float()
+    sx = xf.abs().amax(dim=-1, keepdim=True) / QMAX
+    xq = torch.round(xf / torch.where(sx > 0, sx, torch.ones_like(sx))).clamp_(-QMAX, QMAX).to(torch.int8)
+    y = torch._int_mm(xq, q.t()).float().mul_(sx).mul_(scale)
+    if bias is not None:
+        y.add_(bias.float())
+    return y.to(x.dtype)
+
+
 def _key(w: torch.Tensor) -> tuple:
     # the storage address alone is ambiguous: w13 and its slice w13[0] start at the same byte
     return (w.data_ptr(), tuple(w.shape), w.device)
@@ -88,9 +110,17 @@ class Int8LayerOps(CpuFusedLayerOps):
     the kernel is per-row, so it is batch-invariant at any row count).
     """
 
-    def __init__(self, deterministic: bool = False, lm_head: bool = False):
+    def __init__(self, deterministic: bool = False, lm_head: bool = False, activations: str = "float"):
+        if activations not in ("float", "int8"):
+            raise ValueError(f"layer_ops {self.NAME}: activations must be int8 or float, got {activations!r}")
+        if activations == "int8" and deterministic and self.NAME == "cpu_int8":
+            raise ValueError("layer_ops cpu_int8: activations int8 quantizes the activations of steps over "
+                             f"{INT8_KERNEL_MAX_ROWS} rows only, so a row's result would depend on its batch; "
+                             "engine.deterministic needs activations: float")
         super().__init__(deterministic)
         self.lm_head = bool(lm_head)
+        # steps of more rows than the kernel takes: activations quantized per token, int8 x int8 GEMM (cpu_int8)
+        self.int8_gemm = activations == "int8" and self.NAME == "cpu_int8"
         self._scales: dict[tuple, torch.Tensor] = {}
         self._int8_linear = None
         if self._ok:
@@ -219,4 +249,18 @@ class Int8LayerOps(CpuFusedLayerOps):
             return self._int8_linear(x, w, scale, bias)
         if self.deterministic and x.dim() == 2 and x.shape[0] > 1:  # one row per GEMM: the same sums in any batch
             return torch.cat([dequant_linear(x[i : i + 1], w, scale, bias) for i in range(x.shape[0])])
+        if self.int8_gemm and x.dim() == 2 and x.is_cpu and w.is_cpu:
+            return int8_gemm_linear(x, w, scale, bias)
         return dequant_linear(x, w, scale, bias)
+
+    def _many(self, x: torch.Tensor) -> bool:
+        """Whether a step of x's rows takes the int8 GEMM (``activations: int8``), which only ``linear`` runs."""
+        return self.int8_gemm and x.shape[0] > INT8_KERNEL_MAX_ROWS
+
+    def moe_experts(self, x, expert_idx, expert_w, w13, w2):
+        return None if self._many(x) else super().moe_experts(x, expert_idx, expert_w, w13, w2)
+
+    def residual_mlp(self, h, x, mlp):
+        if self._many(x):
+            return h + mlp(x)  # through linear
+        return super().residual_mlp(h, x, mlp)

@@ -14,6 +14,7 @@ from litellm_pipeline.model.int8_ops import (
     INT8_KERNEL_MAX_ROWS,
     Int8LayerOps,
     dequant_linear,
+    int8_gemm_linear,
     quantize_rows,
 )
 from litellm_pipeline.model.layers import Attention, GatedMLP, SparseMoE
@@ -202,12 +203,18 @@ def tied_head_run(tmp_path, layer_ops: list[str], qdtype: torch.dtype) -> tuple:
 
 
 def test_layer_ops_params_are_checked():
-    with pytest.raises(ConfigError, match=r"layer_ops_params \['nope'\].*'cpu_int8' takes \['lm_head'\]"):
+    with pytest.raises(ConfigError, match=r"layer_ops_params \['nope'\].*'cpu_int8' takes "
+                                          r"\['lm_head', 'activations'\]"):
         build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={nope: 1}"])
     with pytest.raises(ConfigError, match=r"'deterministic' is set by engine\.deterministic"):
         build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={deterministic: true}"])
     with pytest.raises(ConfigError, match=r"layer_ops_params must be a mapping .* \(got int 3\)"):
         build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params=3"])
+    with pytest.raises(ConfigError, match=r"cpu_int8: activations must be int8 or float, got 'int4'"):
+        build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={activations: int4}"])
+    with pytest.raises(ConfigError, match=r"engine\.deterministic needs activations: float"):
+        build_llm([*INT8, "engine.deterministic=true",
+                   "pipeline.stages.decode.params.layer_ops_params={activations: int8}"])
     with pytest.raises(ConfigError, match=r"layer_ops 'cpu_fused' takes no parameters"):
         build_llm(["pipeline.stages.decode.params.layer_ops_params={lm_head: true}"])
 
@@ -353,3 +360,53 @@ def assert_deterministic_rows_alone_equal_batched(layer_ops: list[str], cls) -> 
     batched = _run(llm, PROMPTS[:6], params)
     alone = [_run(llm, [p], params)[0] for p in PROMPTS[:6]]
     assert batched == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_gemm_matches_float64_of_its_integer_arithmetic(dtype):
+    """activations: int8: each row quantized on its own (max|x| / 127), exact int32 sums, then the two scales;
+    against float64 of the same arithmetic, and within the activations' rounding of the exact product."""
+    g = torch.Generator().manual_seed(11)
+    w, q, s, _ = _quantized(37, 200, seed=4)
+    bias = torch.randn(37, generator=g)
+    x = (torch.randn(70, 200, generator=g) * torch.logspace(-2, 1, 70)[:, None]).to(dtype)
+    x[3] = 0  # an all-zero row: scale 0, output the bias
+    y = int8_gemm_linear(x, q, s, bias.to(dtype))
+    xf = x.double()
+    sx = (x.float().abs().amax(-1, keepdim=True) / 127).double()
+    xq = torch.round(x.float() / torch.where(sx > 0, sx, torch.ones_like(sx)).float()).clamp(-127, 127).double()
+    ref = (xq @ q.double().t()) * sx * s.double() + bias.to(dtype).double()
+    out = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}[dtype]
+    assert ((y.double() - ref).abs() <= 4 * 2.0**-24 * ref.abs() + out * ref.abs() + 1e-6).all()
+    wd = q.double() * s.double()[:, None]
+    exact = xf @ wd.t() + bias.to(dtype).double()
+    act_err = (sx / 2) @ wd.abs().sum(-1, keepdim=True).t()  # half a step of each row's scale, per weight
+    assert ((y.double() - exact).abs() <= act_err + out * exact.abs() + 1e-5).all()
+    assert torch.equal(y[3], bias.to(dtype))
+    for i in (0, 5, 69):  # a row's result does not depend on the rest of the step
+        assert torch.equal(int8_gemm_linear(x[i : i + 1], q, s, bias.to(dtype)), y[i : i + 1])
+
+
+def test_int8_activations_on_the_demo_model(demo_float32, capsys):
+    """Many-row steps (the 16 prompts prefill together: more than the kernel's rows) go through the int8 GEMM
+    and the per-layer paths that would widen the weights step aside for it; measured drift against float32."""
+    llm = build_llm([*INT8, "pipeline.stages.decode.params.layer_ops_params={activations: int8}"])
+    ops = llm.engine.rt.model.ops
+    calls = []
+    real = torch._int_mm
+
+    def spy(a, b):
+        calls.append(a.shape[0])
+        return real(a, b)
+
+    torch._int_mm = spy
+    try:
+        got = _run(llm)
+    finally:
+        torch._int_mm = real
+    assert ops.int8_gemm and calls and min(calls) > INT8_KERNEL_MAX_ROWS
+    same, drift = _compare(demo_float32, got)
+    with capsys.disabled():
+        print(f"\ncpu_int8 int8 activations demo model: {same}/{len(PROMPTS)} prompts with float32's greedy tokens, "
+              f"max logprob drift {drift:.4f}")
+    assert same >= MIN_SAME_TOKENS["float32"] and drift <= MAX_LOGPROB_DRIFT["float32"]
