@@ -1,12 +1,20 @@
-"""``+recipe=report report.sweep_dir=DIR``: a Markdown table and a Pareto plot of a sweep's ``sweep.json`` files.
+"""``+recipe=report report.sweep_dir=DIR``: a table (Markdown and CSV) and a Pareto plot of a sweep's ``sweep.json``.
 
-One row / point per job: quality against end-to-end latency p50 and against monetary cost per request. A job is
-on the frontier of a panel when no other job has at least its quality at no more latency (or money) and is
-strictly better in one of the two; the frontier is drawn through those jobs.
+One row / point per job: quality against latency and against money per request. Quality counts rejected requests
+as failures (the sweep scores them wrong), and the latency the frontier compares is the p50 over every request, a
+rejected one never answered (``latency_ms.p50_all``): a job that rejects half its requests has no such latency and
+is not drawn on that panel, however fast the few it served. A job is on the frontier of a panel when no other job
+has at least its quality at no more latency (or money) and is strictly better in one of the two.
+
+Points are coloured by tier (the job's ``sweep.tier``, else the tier its requests got most) and marked by budget;
+a job is named by the overrides that differ between jobs (those every job shares are said once, in the title), or
+by its number in the table when there are more than ``LABELLED`` jobs.
 """
 
 from __future__ import annotations
 
+import csv
+import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +22,10 @@ from pydantic import BaseModel, ConfigDict
 
 from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.tasks.sweep import fmt, load_results
+
+LABELLED = 10  # jobs named on the plot; more are numbered
+_TIER_ORDER = ("fast", "balanced", "deep", "max")
+_MARKERS = "osD^vPX*<>ph"
 
 
 class ReportSettings(BaseModel):
@@ -30,10 +42,61 @@ def report_settings(section: Any) -> ReportSettings:
     return s
 
 
+def _own(r: dict) -> list[str]:
+    return [o for o in r.get("overrides", []) if not o.startswith(("+recipe=", "hydra."))]
+
+
 def label(r: dict) -> str:
-    """What distinguishes a job: its command-line overrides (the sweep's own keys), else its tier / mode."""
-    keep = [o for o in r.get("overrides", []) if not o.startswith(("+recipe=", "hydra."))]
+    """What a job ran: its command-line overrides (the sweep's own keys), else its tier / mode."""
+    keep = _own(r)
     return " ".join(keep) if keep else (r.get("tier") or f"mode={r.get('mode')}")
+
+
+def shared(results: list[dict]) -> list[str]:
+    """The overrides every job of a sweep of several jobs ran with (said once, not on every point)."""
+    if len(results) < 2:
+        return []
+    common = set(_own(results[0])).intersection(*(_own(r) for r in results[1:]))
+    return [o for o in _own(results[0]) if o in common]
+
+
+def labels(results: list[dict]) -> list[str]:
+    """Per job, the overrides that differ between the jobs; a job with none named by its tier / mode."""
+    common = set(shared(results))
+    out = []
+    for r in results:
+        keep = [o for o in _own(r) if o not in common]
+        out.append(" ".join(keep) if keep else (r.get("tier") or f"mode={r.get('mode')}"))
+    return out
+
+
+def tier_of(r: dict) -> str:
+    """The job's tier: ``sweep.tier``, else the one its requests got most (``none`` if it served nothing)."""
+    if r.get("tier"):
+        return r["tier"]
+    chosen = r.get("tiers_chosen") or {}
+    return max(chosen, key=lambda t: (chosen[t], t)) if chosen else "none"
+
+
+def budget_of(r: dict) -> str:
+    """The job's budget as the limits it set (``no budget`` where none)."""
+    b = {k: v for k, v in (r.get("budget") or {}).items() if v is not None}
+    return ", ".join(f"{k.replace('_cost_units', '').replace('_cost_ms', ' ms').replace('_ms', ' ms')} <= {v:g}"
+                     for k, v in sorted(b.items())) or "no budget"
+
+
+def latency(r: dict) -> float | None:
+    """p50 latency over every request, rejected ones never answered (older sweep.json files: None where half or
+    more were rejected, else the served p50)."""
+    lat = r["latency_ms"]
+    if "p50_all" in lat:
+        return lat["p50_all"]
+    return None if 2 * r.get("rejected", 0) >= r.get("requests", 1) else lat["p50"]
+
+
+def money(r: dict) -> float | None:
+    """Money per served request (what a request is charged; None where nothing was served)."""
+    return r["monetary"]["mean"]
 
 
 def pareto(points: list[tuple[float, float]]) -> list[int]:
@@ -46,39 +109,46 @@ def pareto(points: list[tuple[float, float]]) -> list[int]:
     return sorted(idx, key=lambda i: (points[i][0], -points[i][1]))
 
 
-def _money(r: dict) -> float:
-    return r["monetary"]["mean"] if r["monetary"]["mean"] is not None else 0.0
-
-
-def _served(results: list[dict]) -> list[int]:
-    return [i for i, r in enumerate(results) if r["latency_ms"]["p50"] is not None]
-
-
 def _front(results: list[dict], x_of) -> set[int]:
-    """Indices (into ``results``) on the frontier of quality against ``x_of``, among jobs that served anything."""
-    keep = _served(results)
+    """Indices (into ``results``) on the frontier of quality against ``x_of``, among jobs where it is known."""
+    keep = [i for i, r in enumerate(results) if x_of(r) is not None and math.isfinite(x_of(r))]
     return {keep[j] for j in pareto([(x_of(results[i]), results[i]["quality"]) for i in keep])}
 
 
-def markdown(results: list[dict]) -> str:
-    lat_front = _front(results, lambda r: r["latency_ms"]["p50"])
-    money_front = _front(results, _money)
-    lines = [
-        "| run | quality | latency p50 ms | latency p99 ms | tokens/s | money / request | budget met | tiers chosen | frontier |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for i, r in enumerate(results):
+COLUMNS = ("#", "run", "tier", "budget", "quality", "latency p50 ms (all)", "latency p50 ms (served)",
+           "latency p99 ms (served)", "tokens/s", "money / request", "rejected", "budget met", "tiers chosen",
+           "frontier")
+
+
+def rows(results: list[dict]) -> list[list[str]]:
+    """The table's cells, a row per job (the columns of ``COLUMNS``)."""
+    lat_front, money_front = _front(results, latency), _front(results, money)
+    out = []
+    for i, (r, name) in enumerate(zip(results, labels(results))):
         comp = ", ".join(f"{k} {v:.0%}" for k, v in r["budget_compliance"].items()) or "-"
-        if r.get("rejected"):
-            comp += f" ({r['rejected']} rejected)"
         tiers = ", ".join(f"{t} {n}" for t, n in sorted(r["tiers_chosen"].items(), key=lambda kv: -kv[1]))
-        front = "/".join(x for x, on in (("latency", i in lat_front), ("money", i in money_front)) if on) or ""
-        lines.append(
-            f"| {label(r)} | {r['quality']:.3f} | {fmt(r['latency_ms']['p50'], '.1f')} | "
-            f"{fmt(r['latency_ms']['p99'], '.1f')} | {fmt(r['tokens_per_s'], '.0f')} | {_money(r):.5f} | {comp} | "
-            f"{tiers or '-'} | {front} |"
-        )
-    return "\n".join(lines) + "\n"
+        front = "/".join(x for x, on in (("latency", i in lat_front), ("money", i in money_front)) if on)
+        out.append([str(i + 1), name, tier_of(r), budget_of(r), f"{r['quality']:.3f}", fmt(latency(r), ".1f"),
+                    fmt(r["latency_ms"]["p50"], ".1f"), fmt(r["latency_ms"]["p99"], ".1f"),
+                    fmt(r["tokens_per_s"], ".0f"), fmt(money(r), ".5f"),
+                    f"{r.get('rejected', 0)} of {r.get('requests', '?')}", comp, tiers or "-", front])
+    return out
+
+
+def markdown(results: list[dict]) -> str:
+    common = shared(results)
+    head = f"Every job ran with: {' '.join(common)}\n\n" if common else ""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cells) + " |" for cells in rows(results)]
+    return head + "\n".join(lines) + "\n"
+
+
+def write_csv(results: list[dict], path: Path) -> Path:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        w.writerows(rows(results))
+    return path
 
 
 def plot(results: list[dict], path: Path) -> Path:
@@ -86,24 +156,48 @@ def plot(results: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
-    panels = (("latency p50 (ms)", lambda r: r["latency_ms"]["p50"] or 0.0), ("monetary cost per request", _money))
-    results = [results[i] for i in _served(results)]
+    names = labels(results) if len(results) <= LABELLED else [str(i + 1) for i in range(len(results))]
+    tiers = sorted({tier_of(r) for r in results},
+                   key=lambda t: (_TIER_ORDER.index(t) if t in _TIER_ORDER else len(_TIER_ORDER), t))
+    budgets = list(dict.fromkeys(budget_of(r) for r in results))
+    cmap = plt.get_cmap("tab10")
+    colour = {t: cmap(i % 10) for i, t in enumerate(tiers)}
+    marker = {b: _MARKERS[i % len(_MARKERS)] for i, b in enumerate(budgets)}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), dpi=100, layout="constrained")
+    panels = (("latency p50 over every request (ms; rejected = never answered)", latency),
+              ("money per request", money))
     for ax, (xlabel, x_of) in zip(axes, panels):
-        pts = [(x_of(r), r["quality"]) for r in results]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], zorder=3)
-        for (x, y), r in zip(pts, results):
-            ax.annotate(label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        shown = [i for i, r in enumerate(results) if x_of(r) is not None and math.isfinite(x_of(r))]
+        for i in shown:
+            r = results[i]
+            ax.scatter(x_of(r), r["quality"], color=colour[tier_of(r)], marker=marker[budget_of(r)], s=46,
+                       edgecolors="black", linewidths=0.4, zorder=3)
+            ax.annotate(names[i], (x_of(r), r["quality"]), textcoords="offset points", xytext=(5, 3), fontsize=7,
+                        zorder=4)
+        pts = [(x_of(results[i]), results[i]["quality"]) for i in shown]
         front = pareto(pts)
-        ax.step([pts[i][0] for i in front], [pts[i][1] for i in front], where="post", color="tab:red", lw=1.2,
-                label="Pareto frontier", zorder=2)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("quality")
+        if front:
+            ax.step([pts[j][0] for j in front], [pts[j][1] for j in front], where="post", color="tab:red", lw=1.2,
+                    zorder=2)
+        missing = len(results) - len(shown)
+        ax.set_xlabel(xlabel + (f"\n({missing} job(s) not drawn: half or more rejected)" if missing else ""))
+        ax.set_ylabel("quality (rejected requests count as failures)")
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+        ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4), useOffset=False)
         ax.grid(True, alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-    fig.suptitle("quality against latency and cost, one point per sweep job")
-    fig.tight_layout()
+    handles = [Line2D([], [], ls="", marker="o", color=colour[t], markeredgecolor="black", label=f"tier {t}")
+               for t in tiers]
+    handles += [Line2D([], [], ls="", marker=marker[b], color="grey", label=b) for b in budgets]
+    handles.append(Line2D([], [], color="tab:red", lw=1.2, label="Pareto frontier"))
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    common = shared(results)
+    title = f"quality against latency and money, {len(results)} sweep jobs"
+    if common:
+        title += "\nevery job: " + " ".join(common)
+    fig.suptitle(title, fontsize=10)
     fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
     return path
@@ -119,7 +213,8 @@ def run(cfg) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     table = markdown(results)
     (out / "report.md").write_text(table)
+    csv_path = write_csv(results, out / "report.csv")
     png = plot(results, out / "pareto.png")
     print(table)
-    print(f"wrote {out / 'report.md'} and {png}")
-    return {"runs": len(results), "table": table, "plot": str(png)}
+    print(f"wrote {out / 'report.md'}, {csv_path} and {png}")
+    return {"runs": len(results), "table": table, "plot": str(png), "csv": str(csv_path)}

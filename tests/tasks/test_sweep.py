@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from litellm_pipeline.tasks.report import label, markdown, pareto
+from litellm_pipeline.tasks.report import label, labels, latency, markdown, pareto, rows, shared
 
 QUICK = ["sweep.per_task=2", "sweep.max_tokens=8"]
 
@@ -76,15 +76,70 @@ def test_the_slurm_launcher_config_composes(tmp_path):
     assert "SlurmLauncher" in out and "cpus_per_task: 2" in out and "timeout_min: 60" in out
 
 
+def _job(tier, cap, quality, p50, money, rejected=0, requests=10, extra=()):
+    return {"overrides": ["+recipe=sweep", "sweep.per_task=2", f"sweep.tier={tier}",
+                          f"budget.monetary_cost_units={cap}", *extra],
+            "tier": tier, "mode": "fixed", "budget": {"monetary_cost_units": cap, "latency_cost_ms": None},
+            "requests": requests, "rejected": rejected, "quality": quality,
+            "latency_ms": {"p50": p50, "p99": 2 * p50, "p50_all": p50 if 2 * rejected < requests else None},
+            "tokens_per_s": 100.0, "monetary": {"mean": money, "total": money * (requests - rejected)},
+            "budget_compliance": {"monetary_cost_units": 1.0}, "tiers_chosen": {tier: requests - rejected}}
+
+
 def test_pareto_frontier_and_labels():
     pts = [(1.0, 0.5), (2.0, 0.9), (1.5, 0.4), (3.0, 0.9), (0.5, 0.1)]
     assert pareto(pts) == [4, 0, 1]
     r = {"overrides": ["+recipe=sweep", "sweep.tier=deep"], "tier": "deep"}
     assert label(r) == "sweep.tier=deep" and label({"overrides": [], "tier": None, "mode": "balanced"}) == "mode=balanced"
-    row = {"overrides": [], "tier": "fast", "quality": 0.5, "latency_ms": {"p50": 2.0, "p99": 3.0},
-           "tokens_per_s": 10.0, "monetary": {"mean": 0.001, "total": 0.01}, "budget_compliance": {}, "rejected": 2,
-           "tiers_chosen": {"fast": 8}}
-    assert "| fast | 0.500 | 2.0 | 3.0 | 10 | 0.00100 | - (2 rejected) | fast 8 | latency/money |" in markdown([row])
+    jobs_ = [_job("fast", 0.012, 0.8, 2.0, 0.001), _job("max", 0.012, 0.99, 5.0, 0.004)]
+    # what every job shares is said once; a point is named by what differs
+    assert labels(jobs_) == ["sweep.tier=fast", "sweep.tier=max"]
+    assert shared(jobs_) == ["sweep.per_task=2", "budget.monetary_cost_units=0.012"]
+    table = markdown(jobs_)
+    assert table.startswith("Every job ran with: sweep.per_task=2 budget.monetary_cost_units=0.012")
+    assert "| 1 | sweep.tier=fast | fast | monetary <= 0.012 | 0.800 | 2.0 | 2.0 | 4.0 | 100 | 0.00100 | 0 of 10 |" in table
+
+
+def test_the_frontier_counts_rejected_requests_as_failures():
+    """A job that rejects 6 of its 10 requests (quality 0.1, the 4 it served fast and cheap) has no latency over
+    every request: not on the latency frontier (nor drawn there), where it would dominate with its served p50."""
+    jobs_ = [_job("fast", 0.005, 0.1, 0.5, 0.0005, rejected=6), _job("fast", 1.0, 0.8, 2.0, 0.001),
+             _job("max", 1.0, 0.99, 5.0, 0.004)]
+    cells = {r[0]: r for r in rows(jobs_)}
+    assert cells["1"][5] == "-" and cells["1"][6] == "0.5" and cells["1"][10] == "6 of 10"
+    assert "latency" not in cells["1"][-1] and cells["1"][-1] == "money"  # cheapest: on the money frontier
+    assert cells["2"][-1] == "latency/money" and cells["3"][-1] == "latency/money"
+    # an older sweep.json without p50_all: half or more rejected has no latency either
+    old = {**jobs_[0], "latency_ms": {"p50": 0.5, "p99": 1.0}}
+    assert latency(old) is None and latency({**old, "rejected": 4}) == 0.5
+
+
+@pytest.mark.parametrize("n", [2, 8, 24, 40])
+def test_report_plot_reads_at_2_to_40_jobs_without_warnings(tmp_path, n):
+    """Tiers coloured, budgets marked, one legend, no warning from matplotlib (tight layout, crowded ticks), jobs
+    named by what differs (numbered past LABELLED); the CSV holds the table."""
+    import warnings
+
+    import matplotlib.image as mpimg
+
+    from litellm_pipeline.tasks import report
+
+    tiers, caps = ["fast", "balanced", "deep", "max"], [0.003, 0.006, 0.012, 0.024, 0.048, 0.096, 0.192, 0.384, 0.768, 1.5]
+    jobs_ = [_job(tiers[i % 4], caps[i // 4 % 10], 0.5 + 0.05 * (i % 4) + 0.001 * i, 1.0 + i % 4 + 0.01 * i,
+                  0.001 * (1 + i % 4)) for i in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = report.plot(jobs_, tmp_path / "p.png")
+    img = mpimg.imread(png)
+    assert img.shape[0] >= 500 and img.shape[1] >= 1200
+    names = report.labels(jobs_)
+    assert all("sweep.per_task" not in x for x in names)  # shared: said once
+    csv_path = report.write_csv(jobs_, tmp_path / "r.csv")
+    import csv
+
+    with csv_path.open() as f:
+        got = list(csv.reader(f))
+    assert got[0] == list(report.COLUMNS) and len(got) == n + 1 and got[1][2] == "fast"
 
 
 def test_report_without_a_sweep_dir_names_the_key(tmp_path):
