@@ -7,10 +7,17 @@ in each time window, latency-budget compliance (goal >= 95%) and monetary compli
 
 Latency budgets are multiples (``latency_x``) of the end-to-end latency of one request alone at every
 expert, measured at the start, so a class means the same on any machine; money is absolute.
+
+The load runs ``repeats`` times (seeds ``seed``, ``seed + 1``, ...) on one engine; each class's compliance is
+given per repeat and pooled with a 95% Wilson interval, and its rejections by reason (``budget``: its own
+budget no longer fits; ``overloaded``: admitting it would make requests in flight miss theirs). Beside the
+figures stands the CPU time other processes used during each repeat (cores): a 2-core machine shared with
+anything else breaks any latency prediction, and the report says so where it happened.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import statistics
 import time
@@ -46,6 +53,8 @@ class LoadSettings(BaseModel):
     max_tokens: int = Field(default=12, ge=1)
     windows: int = Field(default=4, ge=1)  # time windows of the "TierSets chosen over time" table
     seed: int = 0
+    repeats: int = Field(default=3, ge=1)  # seeds seed .. seed + repeats - 1, pooled with a confidence interval
+    busy_cores: float = Field(default=0.3, ge=0)  # other processes' CPU use above which a repeat is flagged
     classes: list[BudgetClass] = Field(min_length=1)
 
 
@@ -149,6 +158,11 @@ def _summarise(results, s: LoadSettings, base_ms, full_rate, rate, elapsed) -> d
         lat = [r["latency_ms"] for r in served]
         per_class[c.name] = {
             "requests": len(rows), "served": len(served), "rejected": len(rows) - len(served),
+            "rejected_by_reason": dict(Counter(r["reason"] for r in rows if r["rejected"])),
+            "latency_met": sum(r["met"]["latency_cost_ms"] for r in served if "latency_cost_ms" in r["met"]),
+            "latency_budgeted": sum("latency_cost_ms" in r["met"] for r in served),
+            "monetary_met": sum(r["met"]["monetary_cost_units"] for r in served if "monetary_cost_units" in r["met"]),
+            "monetary_budgeted": sum("monetary_cost_units" in r["met"] for r in served),
             "latency_budget_ms": c.latency_x * base_ms if c.latency_x else None,
             "monetary_budget": c.monetary_cost_units,
             "latency_compliance": share("latency_cost_ms"),
@@ -160,30 +174,92 @@ def _summarise(results, s: LoadSettings, base_ms, full_rate, rate, elapsed) -> d
             "arrival_requests_per_s": rate, "seconds": elapsed, "classes": per_class}
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
+    """The 95% Wilson score interval of k successes in n trials (None for n = 0)."""
+    if n == 0:
+        return None
+    p = k / n
+    d = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def pool(runs: list[dict], busy_cores: float) -> dict:
+    """The repeats of one load pooled: per class the counts summed, compliance per repeat and pooled with its
+    Wilson interval, rejections by reason; each repeat's contention and whether it was busy."""
+    classes = {}
+    for name in runs[0]["classes"]:
+        per = [r["classes"][name] for r in runs]
+        out = {k: sum(c[k] for c in per) for k in ("requests", "served", "rejected", "latency_met",
+                                                  "latency_budgeted", "monetary_met", "monetary_budgeted")}
+        out["rejected_by_reason"] = dict(sum((Counter(c["rejected_by_reason"]) for c in per), Counter()))
+        for key in ("latency", "monetary"):
+            out[f"{key}_compliance"] = (out[f"{key}_met"] / out[f"{key}_budgeted"] if out[f"{key}_budgeted"]
+                                        else None)
+            out[f"{key}_ci95"] = wilson(out[f"{key}_met"], out[f"{key}_budgeted"])
+            out[f"{key}_by_repeat"] = [c[f"{key}_compliance"] for c in per]
+        out["latency_budget_ms"] = [c["latency_budget_ms"] for c in per]
+        out["monetary_budget"] = per[0]["monetary_budget"]
+        classes[name] = out
+    cores = [r.get("other_cores") for r in runs]  # None: not measured
+    return {"repeats": runs, "classes": classes, "other_cores": cores,
+            "busy": [c is not None and c > busy_cores for c in cores]}
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _ci(ci: tuple[float, float] | None) -> str:
+    return "" if ci is None else f" [{ci[0]:.0%}, {ci[1]:.0%}]"
+
+
 def format_report(r: dict) -> str:
-    lines = [f"arrivals {r['arrival_requests_per_s']:.1f} req/s against {r['full_model_requests_per_s']:.1f} req/s "
-             f"the full model serves; latency budgets are multiples of {r['baseline_full_alone_ms']:.1f} ms "
-             f"(one request alone at every expert)"]
-    head = f"{'class':<10}{'served':>8}{'rejected':>9}{'lat budget':>12}{'lat met':>9}{'money met':>10}  TierSets by window"
+    first = r["repeats"][0]
+    lines = [f"{len(r['repeats'])} repeat(s); arrivals {first['arrival_requests_per_s']:.1f} req/s against "
+             f"{first['full_model_requests_per_s']:.1f} req/s the full model serves; latency budgets are multiples "
+             f"of {first['baseline_full_alone_ms']:.1f} ms (one request alone at every expert, measured per repeat)"]
+    cores = ", ".join("-" if c is None else f"{c:.2f}" for c in r["other_cores"])
+    lines.append(f"other processes' CPU use per repeat (cores): {cores}")
+    if any(r["busy"]):
+        lines.append("  busy in repeat(s) " + ", ".join(str(i + 1) for i, b in enumerate(r["busy"]) if b) +
+                     ": another process took CPU time there, so latency predictions could not hold; read those "
+                     "repeats' latency compliance with that in mind, or rerun on a quiet machine")
+    head = (f"{'class':<10}{'served':>8}{'rejected (budget / overloaded)':>32}  {'latency met [95% CI]':<24}"
+            f"{'per repeat':<18}{'money met [95% CI]':<22}")
     lines += [head, "-" * len(head)]
     for name, c in r["classes"].items():
-        lb = f"{c['latency_budget_ms']:.0f} ms" if c["latency_budget_ms"] else "-"
-        lm = f"{c['latency_compliance']:.0%}" if c["latency_compliance"] is not None else "-"
-        mm = f"{c['monetary_compliance']:.0%}" if c["monetary_compliance"] is not None else "-"
+        why = c["rejected_by_reason"]
+        rej = f"{c['rejected']} ({why.get('budget', 0)} / {why.get('overloaded', 0)})"
+        lat = _pct(c["latency_compliance"]) + _ci(c["latency_ci95"])
+        reps = " ".join(_pct(x) for x in c["latency_by_repeat"])
+        money = _pct(c["monetary_compliance"]) + _ci(c["monetary_ci95"])
+        lines.append(f"{name:<10}{c['served']:>8}{rej:>32}  {lat:<24}{reps:<18}{money:<22}")
+    lines.append("TierSets chosen by time window (first repeat):")
+    for name, c in first["classes"].items():
         wins = " | ".join(", ".join(f"{t} {n}" for t, n in sorted(w.items(), key=lambda kv: -kv[1])) or "-"
                           for w in c["tiers_by_window"])
-        lines.append(f"{name:<10}{c['served']:>8}{c['rejected']:>9}{lb:>12}{lm:>9}{mm:>10}  {wins}")
+        lines.append(f"  {name:<10}{wins}")
     return "\n".join(lines)
 
 
 def run(cfg) -> dict:
+    from litellm_pipeline.bench.machine import CpuMonitor
     from litellm_pipeline.config.build import build_engine, to_plain
     from litellm_pipeline.tasks import write_json
 
     plain = to_plain(cfg)
     s = load_settings(plain.get("budget_load"))
     engine = build_engine(plain)
-    result = run_load(engine, s, plain["model"].get("path") is None)
+    demo = plain["model"].get("path") is None
+    runs = []
+    for i in range(s.repeats):
+        mon = CpuMonitor()
+        one = run_load(engine, s.model_copy(update={"seed": s.seed + i}), demo)
+        one["other_cores"] = mon.mark(f"repeat {i + 1}")["other_cores"]
+        runs.append(one)
+    result = pool(runs, s.busy_cores)
     print(format_report(result))
     path = write_json(result, "budget_load.json")
     print(f"wrote {path}")

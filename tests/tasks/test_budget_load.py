@@ -13,26 +13,48 @@ from litellm_pipeline.tasks.budget_load import (
     BudgetClass,
     LoadSettings,
     format_report,
+    pool,
     run_load,
 )
 
 
 def test_budget_load_recipe_reports_every_class(tmp_path):
     cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=budget_load", "budget_load.requests=30",
-           "budget_load.windows=2", f"hydra.run.dir={tmp_path}/run"]
+           "budget_load.windows=2", "budget_load.repeats=2", f"hydra.run.dir={tmp_path}/run"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     r = json.loads((tmp_path / "run" / "budget_load.json").read_text())
-    assert set(r["classes"]) == {"tight", "loose", "cheap"}
-    assert r["arrival_requests_per_s"] > r["full_model_requests_per_s"]  # overloaded by construction
-    assert sum(c["requests"] for c in r["classes"].values()) == 30
+    assert set(r["classes"]) == {"tight", "loose", "cheap"} and len(r["repeats"]) == 2
+    for one in r["repeats"]:
+        assert one["arrival_requests_per_s"] > one["full_model_requests_per_s"]  # overloaded by construction
+        assert sum(c["requests"] for c in one["classes"].values()) == 30
+        for c in one["classes"].values():
+            assert len(c["tiers_by_window"]) == 2
+            assert sum(sum(w.values()) for w in c["tiers_by_window"]) == c["served"]
+    assert len(r["other_cores"]) == 2 and len(r["busy"]) == 2
+    for name, c in r["classes"].items():  # pooled: the repeats' counts summed, reasons and intervals given
+        per = [one["classes"][name] for one in r["repeats"]]
+        assert c["requests"] == sum(x["requests"] for x in per) and c["served"] == sum(x["served"] for x in per)
+        assert sum(c["rejected_by_reason"].values()) == c["rejected"]
+        assert set(c["rejected_by_reason"]) <= {"budget", "overloaded"}
+        if c["latency_budgeted"]:
+            lo, hi = c["latency_ci95"]
+            assert lo <= c["latency_compliance"] <= hi
     cheap = r["classes"]["cheap"]
     if cheap["served"]:
         assert cheap["monetary_compliance"] == 1.0  # money is a hard limit
-    for c in r["classes"].values():
-        assert len(c["tiers_by_window"]) == 2
-        assert sum(sum(w.values()) for w in c["tiers_by_window"]) == c["served"]
-    assert "tight" in proc.stdout and "TierSets by window" in proc.stdout
+    assert "tight" in proc.stdout and "TierSets chosen by time window" in proc.stdout
+    assert "rejected (budget / overloaded)" in proc.stdout and "other processes' CPU use per repeat" in proc.stdout
+
+
+def test_wilson_interval():
+    from litellm_pipeline.tasks.budget_load import wilson
+
+    assert wilson(0, 0) is None
+    lo, hi = wilson(19, 20)
+    assert abs(lo - 0.7639) < 1e-3 and abs(hi - 0.9911) < 1e-3  # the score interval of 19 / 20
+    lo, hi = wilson(50, 100)
+    assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3
 
 
 def test_tighter_latency_budgets_get_cheaper_tiersets():
@@ -49,7 +71,7 @@ def test_tighter_latency_budgets_get_cheaper_tiersets():
         n = sum(tiers.values())
         experts[name] = sum(_experts(llm, t) * k for t, k in tiers.items()) / max(1, n)
     assert experts["free"] == 32 and experts["tight"] < experts["free"]
-    assert "tight" in format_report(r)
+    assert "tight" in format_report(pool([r], 0.3))
     assert not llm.engine.has_unfinished() and llm.engine.rt.pool.is_empty()
 
 
