@@ -97,7 +97,8 @@ def test_pareto_frontier_and_labels():
     assert shared(jobs_) == ["sweep.per_task=2", "budget.monetary_cost_units=0.012"]
     table = markdown(jobs_)
     assert table.startswith("Every job ran with: sweep.per_task=2 budget.monetary_cost_units=0.012")
-    assert "| 1 | sweep.tier=fast | fast | monetary <= 0.012 | 0.800 | 2.0 | 2.0 | 4.0 | 100 | 0.00100 | 0 of 10 |" in table
+    assert ("| 1 | sweep.tier=fast | fast | monetary <= 0.012 | 0.800 | 2.0 | 2.0 | 4.0 | 100 | 0.00100 | 0 of 10 |"
+            in table)
 
 
 def test_the_frontier_counts_rejected_requests_as_failures():
@@ -124,7 +125,8 @@ def test_report_plot_reads_at_2_to_40_jobs_without_warnings(tmp_path, n):
 
     from litellm_pipeline.tasks import report
 
-    tiers, caps = ["fast", "balanced", "deep", "max"], [0.003, 0.006, 0.012, 0.024, 0.048, 0.096, 0.192, 0.384, 0.768, 1.5]
+    tiers = ["fast", "balanced", "deep", "max"]
+    caps = [0.003, 0.006, 0.012, 0.024, 0.048, 0.096, 0.192, 0.384, 0.768, 1.5]
     jobs_ = [_job(tiers[i % 4], caps[i // 4 % 10], 0.5 + 0.05 * (i % 4) + 0.001 * i, 1.0 + i % 4 + 0.01 * i,
                   0.001 * (1 + i % 4)) for i in range(n)]
     with warnings.catch_warnings():
