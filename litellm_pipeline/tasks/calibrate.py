@@ -16,6 +16,7 @@ The profile (JSON, named by model and machine) is what ``budget.profile`` loads.
 
 from __future__ import annotations
 
+import math
 import platform
 import re
 import statistics
@@ -53,6 +54,10 @@ class CalibrateSettings(BaseModel):
     batch_sizes: list[int] = Field(default=[1, 4, 16, 64], min_length=1)
     prefill_tokens: int = Field(default=128, ge=1)
     repeats: int = Field(default=5, ge=1)  # timings: the median of this many runs after one warm-up
+    # a timing whose runs spread more than this (interquartile range / median) gets `repeats` more runs, up to
+    # max_repeats; one still spread then is named in the summary (the machine was noisy while it ran)
+    stable_spread: float = Field(default=0.1, gt=0)
+    max_repeats: int = Field(default=40, ge=1)
     decode_steps: int = Field(default=8, ge=1)  # engine decode steps timed per batch size
     prompts: int = Field(default=8, ge=1)  # calibration sequences for the quality effects
     continuation: int = Field(default=16, ge=1)  # full-model tokens generated after each prompt
@@ -101,24 +106,52 @@ def sequence_logits(model, ids: list[int], plan, dtype: torch.dtype) -> torch.Te
     return model.compute_logits(hidden)
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up (first calls compile or page in)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def spread(times: list[float]) -> float:
+    """Interquartile range over the median of some timings (0 for fewer than 4)."""
+    if len(times) < 4:
+        return 0.0
+    q = statistics.quantiles(times, n=4)
+    return (q[2] - q[0]) / max(statistics.median(times), 1e-12)
+
+
+class Timings:
+    """Medians of timed runs, repeated until their spread is under ``stable_spread`` (or ``max_repeats`` runs);
+    what stayed spread is kept to be said."""
+
+    def __init__(self, repeats: int, stable_spread: float = 0.1, max_repeats: int = 40):
+        self.repeats, self.tol, self.most = repeats, stable_spread, max(repeats, max_repeats)
+        self.unstable: list[dict] = []
+        self.measured = 0
+
+    def median_ms(self, fn, what: str) -> float:
+        fn()  # warm-up (first calls compile or page in)
+        times: list[float] = []
+        while True:
+            for _ in range(self.repeats):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            # four runs at least: fewer say nothing about their spread
+            if (len(times) >= 4 and spread(times) <= self.tol) or len(times) >= self.most:
+                break
+        self.measured += 1
+        if spread(times) > self.tol:
+            self.unstable.append({"what": what, "runs": len(times), "spread": round(spread(times), 3)})
+        return statistics.median(times)
+
 
 
 @torch.inference_mode()
-def moe_block_ms(layer, k: int, rows: int, repeats: int, dtype: torch.dtype) -> float:
-    """The MoE block of ``layer`` on ``rows`` random hidden states with ``k`` experts per token."""
+def moe_block_ms(layer, k: int, rows: int, timings: Timings | int, dtype: torch.dtype, what: str = "") -> float:
+    """The MoE block of ``layer`` on ``rows`` random hidden states with ``k`` experts per token (``timings``:
+    a Timings, or a number of runs)."""
     h = layer.mlp.gate.shape[1]
     g = torch.Generator().manual_seed(rows * 131 + k)
     x = torch.randn(rows, h, generator=g).to(dtype=dtype, device=layer.mlp.gate.device)
     plan = RoutePlan(max_k=k)
-    return _median_ms(lambda: layer.mlp(x, plan), repeats)
+    if isinstance(timings, int):
+        timings = Timings(timings, math.inf)
+    return timings.median_ms(lambda: layer.mlp(x, plan), what)
 
 
 def _engine_decode_ms(engine, batch: int, steps: int, repeats: int, max_model_len: int) -> float:
@@ -209,6 +242,7 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
     batches = sorted(set(s.batch_sizes))
     work = mc.num_layers * len(choices) * (1 + len(batches)) + len(batches) + 1 + mc.num_layers * len(choices)
     bar = tqdm(total=work, desc="calibrate", disable=not s.progress, dynamic_ncols=True)
+    timings = Timings(s.repeats, s.stable_spread, s.max_repeats)
     layers = []
     for i, layer in enumerate(model.layers):
         pre, dec = {}, {}
@@ -217,11 +251,12 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
                 pre[k], dec[k] = 0.0, dict.fromkeys(batches, 0.0)
                 bar.update(1 + len(batches))
                 continue
-            pre[k] = moe_block_ms(layer, k, s.prefill_tokens, s.repeats, dtype) / s.prefill_tokens
+            pre[k] = moe_block_ms(layer, k, s.prefill_tokens, timings, dtype,
+                                  f"layer {i} k={k} prefill") / s.prefill_tokens
             bar.update(1)
             dec[k] = {}
             for b in batches:
-                dec[k][b] = moe_block_ms(layer, k, b, s.repeats, dtype)
+                dec[k][b] = moe_block_ms(layer, k, b, timings, dtype, f"layer {i} k={k} decode b={b}")
                 bar.update(1)
         layers.append({"prefill_ms": pre, "decode_ms": dec})
     fixed_decode = {}
@@ -233,7 +268,7 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
         bar.update(1)
     p = min(s.prefill_tokens, rt.max_model_len)
     ids = [(3 * j + 1) % mc.vocab_size for j in range(p)]
-    whole = _median_ms(lambda: sequence_logits(model, ids, None, dtype), s.repeats)
+    whole = timings.median_ms(lambda: sequence_logits(model, ids, None, dtype), "whole prefill")
     moe_pre = sum(layers[i]["prefill_ms"].get(native, 0.0) * p for i in range(mc.num_layers))
     fixed_prefill = max(0.0, whole - moe_pre) / p
     bar.update(1)
@@ -255,6 +290,7 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
         "layers": layers,
         "calibration": {"sequences": len(seqs), "tokens": sum(len(x) for x in seqs),
                         "quality": "top-1 agreement with the full model, minus 1, with only that layer changed"},
+        "timings": {"measured": timings.measured, "stable_spread": s.stable_spread, "unstable": timings.unstable},
     }
     if demo and s.accuracy_per_task:
         from litellm_pipeline.tasks.eval import EvalSettings, evaluate
@@ -281,6 +317,9 @@ def run(cfg) -> dict:
     default = f"cost_profile-{_slug(profile['model'])}-{_slug(profile['machine'])}.json"
     where = write_json(profile, Path(s.out).resolve() if s.out else default)  # calibrate.out: from the launch folder
     print(f"model: {name}; machine: {profile['machine']}; dtype {profile['dtype']}")
+    b0 = min(s.batch_sizes)
+    print(f"per layer and experts per token k: the MoE block's time per decode step at batch {b0} (ms, median of "
+          f"timed runs) and top-1 agreement with the full model with only that layer at k")
     print(f"{'layer':<6}" + "".join(f"{'k=' + str(k):>24}" for k in profile["choices"]))
     for i, layer in enumerate(profile["layers"]):
         cells = [f"{layer['decode_ms'][k][min(layer['decode_ms'][k])]:.3f}ms top1={layer['top1'][k]:.3f}"
@@ -289,6 +328,14 @@ def run(cfg) -> dict:
     fixed = profile["fixed"]
     print(f"outside the MoE blocks: prefill {fixed['prefill_ms']:.4f} ms/token; decode step "
           + ", ".join(f"b={b}: {t:.2f} ms" for b, t in fixed["decode_ms"].items()))
+    t = profile["timings"]
+    if t["unstable"]:
+        worst = max(t["unstable"], key=lambda u: u["spread"])
+        print(f"timings NOT stable: {len(t['unstable'])} of {t['measured']} still spread more than "
+              f"{t['stable_spread']:.0%} (interquartile range / median) after up to {s.max_repeats} runs, worst "
+              f"{worst['what']} ({worst['spread']:.0%}): the machine was busy; rerun on a quiet one")
+    else:
+        print(f"timings stable: all {t['measured']} within {t['stable_spread']:.0%} (interquartile range / median)")
     if "accuracy" in profile:
         print("demo accuracy by tier: " + ", ".join(f"{t} {a:.3f}" for t, a in profile["accuracy"].items()))
     print(f"wrote {where}  (use it: budget.profile={where})")

@@ -53,10 +53,46 @@ def test_calibrate_writes_a_profile_the_budget_solvers_load(profile_run):
         assert layer["top1"]["8"] == 1.0 and layer["kl"]["8"] < 1e-6 and layer["quality"]["8"] == 0.0
         assert layer["kl"]["1"] >= layer["kl"]["8"]
     assert data["fixed"]["prefill_ms"] >= 0 and set(data["fixed"]["decode_ms"]) == {"1", "4"}
+    # it says what its table holds and whether its timings were stable
+    assert "the MoE block's time per decode step at batch 1" in stdout
+    t = data["timings"]
+    assert t["measured"] == 4 * 4 * 3 + 1 and t["stable_spread"] == 0.1  # layers x k x (prefill, b=1, b=4), prefill
+    assert ("timings stable: all 49" in stdout) == (not t["unstable"])
+    assert all(u["runs"] >= 4 and u["spread"] > 0.1 for u in t["unstable"])
     llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced", f"budget.profile={path}"])
     assert llm.engine.rt.cost_model.source == str(path)
     (o,) = llm.generate("12+34=", SamplingParams(max_tokens=4, temperature=0.0), budget={"monetary_cost_units": 1.0})
     assert o.cost.cost_model == str(path) and o.cost.predicted_latency_ms > 0
+
+
+def test_timings_repeat_until_stable_or_say_they_are_not(monkeypatch):
+    """A timing whose runs spread gets more runs, up to max_repeats, and is named if still spread; a steady one
+    stops at four runs (fewer say nothing about spread)."""
+    from litellm_pipeline.tasks import calibrate as cal
+
+    clock = [0.0]
+    monkeypatch.setattr(cal.time, "perf_counter", lambda: clock[0])
+    steady = cal.Timings(repeats=1, stable_spread=0.1, max_repeats=40)
+    calls = []
+
+    def run(ms):
+        def fn():
+            calls.append(1)
+            clock[0] += ms() / 1e3
+        return fn
+
+    assert steady.median_ms(run(lambda: 2.0), "steady") == pytest.approx(2.0)
+    assert len(calls) == 1 + 4 and steady.unstable == []  # a warm-up, then four runs
+    flip = iter([1.0, 5.0] * 100)
+    noisy = cal.Timings(repeats=2, stable_spread=0.1, max_repeats=10)
+    noisy.median_ms(run(lambda: next(flip)), "noisy one")
+    assert noisy.unstable == [{"what": "noisy one", "runs": 10, "spread": pytest.approx(1.333, abs=1e-3)}]
+    # one slow run (after the warm-up) among steady ones: more runs settle it (8 runs: 4, then 2 more twice)
+    slow_first = iter([2.0, 9.0] + [2.0] * 100)
+    settles = cal.Timings(repeats=2, stable_spread=0.1, max_repeats=40)
+    calls.clear()
+    assert settles.median_ms(run(lambda: next(slow_first)), "settles") == pytest.approx(2.0)
+    assert settles.unstable == [] and len(calls) == 1 + 8
 
 
 def test_calibrate_refuses_a_dense_model(hf_checkpoint, tmp_path):
