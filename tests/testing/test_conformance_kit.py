@@ -37,7 +37,7 @@ from litellm_pipeline.tiers.router import TierSetRouter
 # every built-in entry, per kind; test_every_builtin_is_listed keeps this in step with the registry
 BUILTINS = {
     "attention": ["cpu_paged", "sdpa", "triton_paged"],
-    "layer_ops": ["cpu_fused", "cpu_int8", "torch", "triton"],
+    "layer_ops": ["cpu_fused", "cpu_int4", "cpu_int8", "torch", "triton"],
     "moe_dispatch": ["fused", "packed", "triton_fused"],
     "kv_policy": ["lfu", "lru"],
     "budget_solver": ["exact", "greedy"],
@@ -84,8 +84,9 @@ def test_builtin_attention(name):
 
 @pytest.mark.parametrize("name", cpu_entries("layer_ops"))
 def test_builtin_layer_ops(name):
-    # cpu_int8 is lossy by design: its engine-level drift bounds are in tests/model/test_int8_ops.py
-    check_layer_ops(name, engine=name != "cpu_int8")
+    # cpu_int8 / cpu_int4 are lossy by design: their engine-level drift bounds are in tests/model/test_int8_ops.py
+    # and tests/model/test_int4_ops.py
+    check_layer_ops(name, engine=name not in ("cpu_int8", "cpu_int4"))
 
 
 @pytest.mark.parametrize("name", cpu_entries("moe_dispatch"))
