@@ -7,8 +7,8 @@ is not drawn on that panel, however fast the few it served. A job is on the fron
 has at least its quality at no more latency (or money) and is strictly better in one of the two.
 
 Points are coloured by tier (the job's ``sweep.tier``, else the tier its requests got most) and marked by budget;
-a job is named by the overrides that differ between jobs (those every job shares are said once, in the title), or
-by its number in the table when there are more than ``LABELLED`` jobs.
+on the plot a job is its number in the table, where it is named by the overrides that differ between jobs (those
+every job shares are said once, above the table and in the plot's title).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from pydantic import BaseModel, ConfigDict
 from litellm_pipeline.errors import ConfigError, section_settings
 from litellm_pipeline.tasks.sweep import fmt, load_results
 
-LABELLED = 10  # jobs named on the plot; more are numbered
 _TIER_ORDER = ("fast", "balanced", "deep", "max")
 _MARKERS = "osD^vPX*<>ph"
 
@@ -159,7 +158,6 @@ def plot(results: list[dict], path: Path) -> Path:
     from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
-    names = labels(results) if len(results) <= LABELLED else [str(i + 1) for i in range(len(results))]
     tiers = sorted({tier_of(r) for r in results},
                    key=lambda t: (_TIER_ORDER.index(t) if t in _TIER_ORDER else len(_TIER_ORDER), t))
     budgets = list(dict.fromkeys(budget_of(r) for r in results))
@@ -167,23 +165,23 @@ def plot(results: list[dict], path: Path) -> Path:
     colour = {t: cmap(i % 10) for i, t in enumerate(tiers)}
     marker = {b: _MARKERS[i % len(_MARKERS)] for i, b in enumerate(budgets)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 5.2), dpi=100, layout="constrained")
-    panels = (("latency p50 over every request (ms; rejected = never answered)", latency),
-              ("money per request", money))
+    panels = (("latency p50 over every request (ms)", latency), ("money per served request", money))
     for ax, (xlabel, x_of) in zip(axes, panels):
         shown = [i for i, r in enumerate(results) if x_of(r) is not None and math.isfinite(x_of(r))]
         for i in shown:
             r = results[i]
             ax.scatter(x_of(r), r["quality"], color=colour[tier_of(r)], marker=marker[budget_of(r)], s=46,
                        edgecolors="black", linewidths=0.4, zorder=3)
-            ax.annotate(names[i], (x_of(r), r["quality"]), textcoords="offset points", xytext=(5, 3), fontsize=7,
-                        zorder=4)
+            ax.annotate(str(i + 1), (x_of(r), r["quality"]), textcoords="offset points", xytext=(4, 3), fontsize=7,
+                        zorder=4).set_in_layout(False)
         pts = [(x_of(results[i]), results[i]["quality"]) for i in shown]
         front = pareto(pts)
         if front:
             ax.step([pts[j][0] for j in front], [pts[j][1] for j in front], where="post", color="tab:red", lw=1.2,
                     zorder=2)
         missing = len(results) - len(shown)
-        ax.set_xlabel(xlabel + (f"\n({missing} job(s) not drawn: half or more rejected)" if missing else ""))
+        ax.set_xlabel(xlabel + (f"\n{missing} job(s) not drawn: half or more of their requests rejected"
+                                if missing else ""))
         ax.set_ylabel("quality (rejected requests count as failures)")
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
         ax.ticklabel_format(axis="x", style="sci", scilimits=(-3, 4), useOffset=False)
@@ -194,7 +192,8 @@ def plot(results: list[dict], path: Path) -> Path:
     handles.append(Line2D([], [], color="tab:red", lw=1.2, label="Pareto frontier"))
     fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     common = shared(results)
-    title = f"quality against latency and money, {len(results)} sweep jobs"
+    title = (f"quality against latency and money, {len(results)} sweep jobs (numbered as in report.md; a rejected "
+             "request counts as a failure and is never answered)")
     if common:
         title += "\nevery job: " + " ".join(common)
     fig.suptitle(title, fontsize=10)

@@ -118,7 +118,7 @@ def test_the_frontier_counts_rejected_requests_as_failures():
 @pytest.mark.parametrize("n", [2, 8, 24, 40])
 def test_report_plot_reads_at_2_to_40_jobs_without_warnings(tmp_path, n):
     """Tiers coloured, budgets marked, one legend, no warning from matplotlib (tight layout, crowded ticks), jobs
-    named by what differs (numbered past LABELLED); the CSV holds the table."""
+    numbered as in the table, which names them by what differs; the CSV holds the table."""
     import warnings
 
     import matplotlib.image as mpimg
