@@ -125,6 +125,7 @@ class Int4LayerOps(Int8LayerOps):
     QDTYPE = torch.uint8
     STATE = "int4_groups"
     NAME = "cpu_int4"
+    INT8_GEMM = False  # its int8 activations are the kernel's (decode steps); prefill widens the weights
 
     def __init__(self, deterministic: bool = False, group_size: int = 32, symmetric: bool = True,
                  scale_dtype: str = "float16", lm_head: bool = False, activations: str = "int8"):

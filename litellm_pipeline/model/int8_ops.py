@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from litellm_pipeline.model.layer_ops import CpuFusedLayerOps
+from litellm_pipeline.model.layer_ops import CpuFusedLayerOps, TorchLayerOps
 from litellm_pipeline.registry import register
 
 QMAX = 127
@@ -113,14 +113,14 @@ class Int8LayerOps(CpuFusedLayerOps):
     def __init__(self, deterministic: bool = False, lm_head: bool = False, activations: str = "float"):
         if activations not in ("float", "int8"):
             raise ValueError(f"layer_ops {self.NAME}: activations must be int8 or float, got {activations!r}")
-        if activations == "int8" and deterministic and self.NAME == "cpu_int8":
+        if activations == "int8" and deterministic and self.INT8_GEMM:
             raise ValueError("layer_ops cpu_int8: activations int8 quantizes the activations of steps over "
                              f"{INT8_KERNEL_MAX_ROWS} rows only, so a row's result would depend on its batch; "
                              "engine.deterministic needs activations: float")
         super().__init__(deterministic)
         self.lm_head = bool(lm_head)
-        # steps of more rows than the kernel takes: activations quantized per token, int8 x int8 GEMM (cpu_int8)
-        self.int8_gemm = activations == "int8" and self.NAME == "cpu_int8"
+        # steps of more rows than the kernel takes: activations quantized per token, int8 x int8 GEMM
+        self.int8_gemm = activations == "int8" and self.INT8_GEMM
         self._scales: dict[tuple, torch.Tensor] = {}
         self._int8_linear = None
         if self._ok:
@@ -129,10 +129,12 @@ class Int8LayerOps(CpuFusedLayerOps):
 
     # -- weights --------------------------------------------------------------------------------------------
 
-    # the dtype quantized weights have, the module attribute their scales live in, and the ops' registry name
+    # the dtype quantized weights have, the module attribute their scales live in, the ops' registry name, and
+    # whether `activations: int8` means the int8 x int8 GEMM for steps over the kernel's rows
     QDTYPE = torch.int8
     STATE = "int8_scales"
     NAME = "cpu_int8"
+    INT8_GEMM = True
 
     def prepare_weights(self, model) -> None:
         """Quantize the model's projection weights in place (see the module doc) and register their scales."""
@@ -261,6 +263,6 @@ class Int8LayerOps(CpuFusedLayerOps):
         return None if self._many(x) else super().moe_experts(x, expert_idx, expert_w, w13, w2)
 
     def residual_mlp(self, h, x, mlp):
-        if self._many(x):
-            return h + mlp(x)  # through linear
+        if self._many(x):  # through linear
+            return TorchLayerOps.residual_mlp(self, h, x, mlp)
         return super().residual_mlp(h, x, mlp)

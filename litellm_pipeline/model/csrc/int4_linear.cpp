@@ -96,6 +96,39 @@ void q4_rows_scalar(const Q4<T, S>& a, int64_t o0, int64_t o1) {
   }
 }
 
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+constexpr int64_t kChunk = 64;  // groups whose scales a tile widens at a time
+
+// n scales (or offsets) widened to float32, 8 at a time (F16C / a shift)
+inline void widen(const c10::Half* p, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
+  for (; j < n; ++j) out[j] = to_f(p[j]);
+}
+inline void widen(const c10::BFloat16* p, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))), 16)));
+  for (; j < n; ++j) out[j] = to_f(p[j]);
+}
+
+// the scales ds and offsets zs (-8 scale for symmetric groups) of weight rows [o, o + R), groups [g0, g0 + gn),
+// as float32: a scalar conversion per group and row would cost as much as its 32 weights
+template <typename T, typename S, int R>
+inline void widen_groups(const Q4<T, S>& a, int64_t o, int64_t g0, int64_t gn, float (&ds)[R][kChunk],
+                         float (&zs)[R][kChunk]) {
+  const int64_t ng = a.groups();
+  for (int r = 0; r < R; ++r) {
+    widen(a.d + (o + r) * ng + g0, ds[r], gn);
+    if (a.z)
+      widen(a.z + (o + r) * ng + g0, zs[r], gn);
+    else
+      for (int64_t j = 0; j < gn; ++j) zs[r][j] = -8.f * ds[r][j];
+  }
+}
+#endif
+
 #if LLP_Q4_AVX512
 // ----------------------------------------------------------------------------------------------------- AVX-512
 inline __m512 q4_x16(const float* p) { return _mm512_loadu_ps(p); }
@@ -118,27 +151,11 @@ inline void q4_tile(const Q4<T, S>& a, int64_t o, int64_t m0) {
   __m512 acc[MC][R];
   for (int m = 0; m < MC; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  // the R rows' scales and offsets of a chunk of groups, widened 16 at a time (one scalar conversion per group
-  // and row would cost as much as its 32 weights)
-  constexpr int64_t kChunk = 64;
   alignas(64) float ds[R][kChunk], zs[R][kChunk];
   const int64_t ng = a.groups();
   for (int64_t g0 = 0; g0 < ng; g0 += kChunk) {
     const int64_t gn = std::min(kChunk, ng - g0);
-    for (int r = 0; r < R; ++r) {
-      const S* dr = a.d + (o + r) * ng + g0;
-      const S* zr = a.z ? a.z + (o + r) * ng + g0 : nullptr;
-      int64_t j = 0;
-      for (; j + 16 <= gn; j += 16) {
-        const __m512 dv = q4_x16(dr + j);
-        _mm512_store_ps(ds[r] + j, dv);
-        _mm512_store_ps(zs[r] + j, zr ? q4_x16(zr + j) : _mm512_mul_ps(dv, _mm512_set1_ps(-8.f)));
-      }
-      for (; j < gn; ++j) {
-        ds[r][j] = to_f(dr[j]);
-        zs[r][j] = zr ? to_f(zr[j]) : -8.f * ds[r][j];
-      }
-    }
+    widen_groups<T, S, R>(a, o, g0, gn, ds, zs);
     for (int64_t gi = 0; gi < gn; ++gi) {
       __m512 table[R];
 #pragma GCC unroll 8
@@ -341,28 +358,10 @@ inline float q8_hsum8(__m256 v) {
 }
 
 // MC quantized input rows x R weight rows: a block's codes unpacked once per weight row, then one integer dot
-// product, conversion and scaled accumulation per input row
-// n scales (or offsets) widened to float32, 8 at a time (F16C / a shift): a scalar conversion per group and row
-// costs more than its 32 products
-inline void widen(const c10::Half* p, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))));
-  for (; j < n; ++j) out[j] = to_f(p[j]);
-}
-inline void widen(const c10::BFloat16* p, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8)
-    _mm256_storeu_ps(out + j, _mm256_castsi256_ps(_mm256_slli_epi32(
-                                  _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + j))), 16)));
-  for (; j < n; ++j) out[j] = to_f(p[j]);
-}
-
-// MC quantized input rows x R weight rows: a block's codes unpacked once per weight row, then one integer dot
 // product, conversion and scaled accumulation per input row; the offsets' part summed in scalars alongside
 template <typename T, typename S, int MC, int R>
 inline void q8_tile(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
   const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
-  constexpr int64_t kChunk = 64;  // groups whose scales are widened at a time
   alignas(32) float ds[R][kChunk], zs[R][kChunk];
   __m256 acc[MC][R];
   float off[MC][R] = {};
@@ -370,13 +369,7 @@ inline void q8_tile(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < ng; g0 += kChunk) {
     const int64_t gn = std::min(kChunk, ng - g0);
-    for (int r = 0; r < R; ++r) {
-      widen(a.d + (o + r) * ng + g0, ds[r], gn);
-      if (a.z)
-        widen(a.z + (o + r) * ng + g0, zs[r], gn);
-      else
-        for (int64_t j = 0; j < gn; ++j) zs[r][j] = -8.f * ds[r][j];
-    }
+    widen_groups<T, S, R>(a, o, g0, gn, ds, zs);
     for (int64_t b = g0 * per; b < (g0 + gn) * per; ++b) {
       const int64_t gi = b / per - g0;
       __m256i codes[R];
