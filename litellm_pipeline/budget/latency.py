@@ -1,7 +1,8 @@
 """LatencyTracker: keeps the cost model's latency predictions current from what requests and steps actually took.
 
 A sink on the event bus (subscribed by the select_tier stage in the modes that decide by predicted latency):
-for every finished request it folds ``actual / predicted`` end-to-end and inter-token latency into an
+for every finished request it folds ``actual / predicted`` end-to-end and inter-token latency (predicted by the
+cost model itself: a request's prediction was corrected by the factors of its time, which are divided out) into an
 exponentially weighted mean (in log space, each observation clipped to 1/20..20 so a cold start or one
 stall cannot swamp it), per TierSet and decode-batch bucket and per bucket over all TierSets; and every
 engine step's duration into a :class:`~litellm_pipeline.budget.step_model.StepModel` (a line in decode rows
@@ -54,12 +55,14 @@ class LatencyTracker:
         # what admitting (and refusing) requests and the serving loop add to every step a request waits through
         self._duty = _Ewma()
         self._last_end: float | None = None  # perf_counter at the end of the last step that left work pending
+        self.version = 0  # grows with every measurement (what a reader caches on it is stale once it changed)
         self._lock = threading.Lock()
 
     def publish(self, event: Event) -> None:
         if type(event) is StepFinished:
             now = time.perf_counter()
             with self._lock:
+                self.version += 1
                 if event.decode_tokens or event.prefill_tokens:
                     self._steps.add(event.decode_tokens, event.prefill_tokens, event.duration_s * 1e3)
                     if self._last_end is not None and event.duration_s > 0:
@@ -69,9 +72,11 @@ class LatencyTracker:
         if type(event) is not RequestCosted:
             return
         b = bucket(event.batch)
+        f, g = event.correction  # measured against the cost model's own prediction, not the corrected one
         with self._lock:
-            for table, actual, pred in ((self._e2e, event.latency_ms, event.predicted_latency_ms),
-                                        (self._tok, event.per_token_ms, event.predicted_per_token_ms)):
+            self.version += 1
+            for table, actual, pred in ((self._e2e, event.latency_ms, event.predicted_latency_ms / f),
+                                        (self._tok, event.per_token_ms, event.predicted_per_token_ms / g)):
                 if actual is None or actual <= 0 or pred <= 0:
                     continue
                 for key in ((event.tier, b), (None, b)):

@@ -65,6 +65,10 @@ class Selection:
     mode: str
     cost_model: str = "analytic"
     load: Load = Load()
+    # (end-to-end, inter-token) factors the prediction was corrected by (what requests and steps measured): the
+    # cost model's own prediction is ``predicted`` divided by them, which is what a finished request is compared
+    # with to learn the next factors
+    correction: tuple[float, float] = (1.0, 1.0)
 
 
 def _limits(budget: BudgetSpec | None) -> tuple[float | None, float | None, float | None]:
@@ -102,6 +106,8 @@ class TierSetSelector:
         self.num_experts = num_experts
         self.tracker = tracker
         self.plan_share = 1.0 - latency_headroom  # of a latency limit, what a plan may use
+        self._factors_cache: dict[tuple[str | None, int], tuple[float, float]] = {}
+        self._factors_at = -1  # the tracker's version the cache holds
         layers = len(cost_model.layers)
         # every expert in every layer: the configured tier that says so (with its name and price), if any
         self.full = self.solved_tierset((num_experts,) * layers) if layers else self.default
@@ -120,13 +126,53 @@ class TierSetSelector:
         if solution is None:
             return self._infeasible(problem, budget, prompt_tokens, max_tokens, load)
         ts = self.solved_tierset(solution.ks(problem))
-        return Selection(ts, self.predict(ts, prompt_tokens, max_tokens, load), True, self.mode, self.cost.source, load)
+        sel = self._selection(ts, prompt_tokens, max_tokens, load, True, self.mode)
+        if self._keeps_plan(sel.predicted, budget):
+            return sel
+        # the solver plans with what requests at every TierSet took; what requests at this one took says it would
+        # not keep the budget: the best configured tier whose own prediction keeps it, else refused up front
+        # rather than served late
+        best = None
+        for t in self.tiers.values():
+            alt = self._selection(t, prompt_tokens, max_tokens, load, True, self.mode)
+            if not self._keeps_plan(alt.predicted, budget) or not within(alt.predicted, budget).get(
+                    "monetary_cost_units", True):
+                continue
+            score = self._score(alt.predicted, prompt_tokens, max_tokens, load)
+            if best is None or score > best[0]:
+                best = (score, alt)
+        if best is not None:
+            return best[1]
+        return self._infeasible(problem, budget, prompt_tokens, max_tokens, load)
+
+    def _score(self, pred: Prediction, prompt_tokens: int, max_tokens: int, load: Load) -> float:
+        """What the mode maximizes, for a whole TierSet's prediction: quality (``deep``), or quality minus latency
+        and money relative to the full model's (``balanced``, as :meth:`problem` weighs them)."""
+        if self.mode == "deep":
+            return pred.quality
+        w = self.weights
+        full = self.cost.predict(self.full, prompt_tokens, max_tokens, load.batch)
+        lat = w.latency / full.latency_ms if full.latency_ms > 0 else 0.0
+        money = w.monetary / full.monetary if full.monetary > 0 else 0.0
+        return w.quality * pred.quality - lat * pred.latency_ms - money * pred.monetary
 
     def predict(self, ts: TierSet, prompt_tokens: int, max_tokens: int, load: Load) -> Prediction:
         """The cost model's prediction, corrected by what requests at this TierSet and batch actually took."""
+        return self._corrected(ts, prompt_tokens, max_tokens, load)[0]
+
+    def _corrected(self, ts: TierSet, prompt_tokens: int, max_tokens: int, load: Load):
+        """(the corrected prediction, the (end-to-end, inter-token) factors it was corrected by)."""
         p = self.cost.predict(ts, prompt_tokens, max_tokens, load.batch, load.wait_ms)
         f, g = self._factors(ts.name, load.batch)
-        return Prediction(p.latency_ms * f, p.per_token_ms * g, p.monetary, p.quality) if (f, g) != (1.0, 1.0) else p
+        if (f, g) == (1.0, 1.0):
+            return p, (f, g)
+        return Prediction(p.latency_ms * f, p.per_token_ms * g, p.monetary, p.quality), (f, g)
+
+    def _selection(self, ts, prompt_tokens, max_tokens, load, feasible, mode, budget=None) -> Selection:
+        pred, correction = self._corrected(ts, prompt_tokens, max_tokens, load)
+        if feasible is None:
+            feasible = all(within(pred, budget).values())
+        return Selection(ts, pred, feasible, mode, self.cost.source, load, correction)
 
     def _factors(self, tier: str | None, batch: int) -> tuple[float, float]:
         """(end-to-end, inter-token) corrections: what requests took against their predictions, raised to what
@@ -134,6 +180,15 @@ class TierSetSelector:
         measured every few milliseconds, requests only when they finish)."""
         if self.tracker is None:
             return 1.0, 1.0
+        if self._factors_at != self.tracker.version:  # measured since: what was cached is stale
+            self._factors_at = self.tracker.version
+            self._factors_cache.clear()
+        got = self._factors_cache.get((tier, batch))
+        if got is None:
+            got = self._factors_cache[(tier, batch)] = self._measured_factors(tier, batch)
+        return got
+
+    def _measured_factors(self, tier: str | None, batch: int) -> tuple[float, float]:
         f, g = self.tracker.factors(tier, batch)
         measured = self.tracker.step_ms(batch)
         if measured is not None:
@@ -182,19 +237,35 @@ class TierSetSelector:
 
     # ---- helpers ------------------------------------------------------------------------------------------
     def _checked(self, ts, budget, prompt_tokens, max_tokens, load, mode) -> Selection:
-        pred = self.predict(ts, prompt_tokens, max_tokens, load)
-        return Selection(ts, pred, all(within(pred, budget).values()), mode, self.cost.source, load)
+        return self._selection(ts, prompt_tokens, max_tokens, load, None, mode, budget)
 
     def _infeasible(self, problem: Problem, budget, prompt_tokens, max_tokens, load) -> Selection:
         cheapest = problem.cheapest()
         ts = self.solved_tierset(cheapest.ks(problem))
-        pred = self.predict(ts, prompt_tokens, max_tokens, load)
         if self.on_infeasible == "cheapest":
-            return Selection(ts, pred, False, self.mode, self.cost.source, load)
+            return self._selection(ts, prompt_tokens, max_tokens, load, False, self.mode)
+        pred = self.predict(ts, prompt_tokens, max_tokens, load)
         raise InvalidRequestError(
             "budget",
             f"cannot be met ({budget_text(budget)}): the cheapest TierSet ({ts.name}, experts per layer "
             f"{list(ts.experts_per_layer)}) is predicted at latency_cost_ms={pred.latency_ms:.3g}, "
             f"latency_per_token_ms={pred.per_token_ms:.3g}, monetary_cost_units={pred.monetary:.4g} for "
-            f"{prompt_tokens} prompt and {max_tokens} output tokens ({self.cost.source} cost model)",
+            f"{prompt_tokens} prompt and {max_tokens} output tokens ({self.cost.source} cost model)"
+            + self._planning_note(budget),
         )
+
+    def _keeps_plan(self, pred: Prediction, budget: BudgetSpec | None) -> bool:
+        """Whether ``pred`` keeps the share of the budget's latency limits a plan may use (money is the solver's
+        own: its costs are exact)."""
+        lat, tok, _ = _limits(budget)
+        eps = 1e-9
+        return ((lat is None or pred.latency_ms <= lat * self.plan_share * (1 + eps))
+                and (tok is None or pred.per_token_ms <= tok * self.plan_share * (1 + eps)))
+
+    def _planning_note(self, budget: BudgetSpec | None) -> str:
+        """What a latency limit was planned against, where that is less than the limit itself."""
+        if budget is None or (budget.latency_cost_ms is None and budget.latency_per_token_ms is None):
+            return ""
+        if self.plan_share < 1.0:
+            return f"; {self.plan_share:.0%} of a latency limit is planned with (budget.latency_headroom)"
+        return ""

@@ -422,7 +422,7 @@ class Engine:
                 self.bus.publish(RequestCosted(
                     req.request_id, c.tier, req.selection.load.batch, c.predicted_latency_ms,
                     c.predicted_per_token_ms, c.latency_ms, c.per_token_ms,
-                    tuple(k for k, kept in c.budget_met.items() if not kept),
+                    tuple(k for k, kept in c.budget_met.items() if not kept), req.selection.correction,
                 ))
             self.bus.publish(
                 RequestFinished(

@@ -150,6 +150,29 @@ def write_csv(results: list[dict], path: Path) -> Path:
     return path
 
 
+def point_groups(points: list[tuple[float, float]], near: float = 0.012) -> list[tuple[tuple[float, float], list[int]]]:
+    """The points (x, y) grouped where they would be drawn on one another: within ``near`` of each axis's span
+    of each other (single linkage). Each group: its first point and the indices in it, in order."""
+    if not points:
+        return []
+    spans = [max(v) - min(v) or 1.0 for v in zip(*points)]
+    group = list(range(len(points)))
+
+    def root(i):
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i, a in enumerate(points):
+        for j in range(i):
+            if all(abs(u - v) <= near * s for u, v, s in zip(a, points[j], spans)):
+                group[root(i)] = root(j)
+    out: dict[int, list[int]] = {}
+    for i in range(len(points)):
+        out.setdefault(root(i), []).append(i)
+    return [(points[m[0]], m) for m in sorted(out.values())]
+
+
 def plot(results: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -172,9 +195,10 @@ def plot(results: list[dict], path: Path) -> Path:
             r = results[i]
             ax.scatter(x_of(r), r["quality"], color=colour[tier_of(r)], marker=marker[budget_of(r)], s=46,
                        edgecolors="black", linewidths=0.4, zorder=3)
-            ax.annotate(str(i + 1), (x_of(r), r["quality"]), textcoords="offset points", xytext=(4, 3), fontsize=7,
-                        zorder=4).set_in_layout(False)
         pts = [(x_of(results[i]), results[i]["quality"]) for i in shown]
+        for (x, q), members in point_groups(pts):  # points drawn on one another get one label: "1,2,5"
+            ax.annotate(",".join(str(shown[j] + 1) for j in members), (x, q), textcoords="offset points",
+                        xytext=(4, 3), fontsize=7, zorder=4).set_in_layout(False)
         front = pareto(pts)
         if front:
             ax.step([pts[j][0] for j in front], [pts[j][1] for j in front], where="post", color="tab:red", lw=1.2,

@@ -123,6 +123,9 @@ class RequestCosted(Event):
     latency_ms: float
     per_token_ms: float | None  # None for a one-token output
     budget_missed: tuple[str, ...] = ()  # the budget limits the actual values broke (BudgetSpec field names)
+    # the (end-to-end, inter-token) factors the prediction had been corrected by from earlier measurements: the
+    # cost model's own prediction is the predicted one divided by them
+    correction: tuple[float, float] = (1.0, 1.0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,12 @@ class CostModel:
     prices: Mapping[int, Price]  # expert count -> price per 1k tokens (from the configured tiers)
     base_quality: float = 1.0
 
+    def __post_init__(self) -> None:
+        # per (expert counts, batch): (ms per prompt token, ms per decode step, quality); a request's latency is
+        # linear in its prompt and output lengths, so a request's prediction is two products once these are known
+        # (predictions are made several times per admitted request, on the engine's thread)
+        object.__setattr__(self, "_rates", {})
+
     # ---- building ---------------------------------------------------------------------------------------
     @staticmethod
     def tier_prices(tiers: Mapping[str, TierSet]) -> dict[int, Price]:
@@ -186,12 +192,15 @@ class CostModel:
 
     def layer_option(self, layer: int, k: int, prompt_tokens: int, max_tokens: int, batch: int):
         """(end-to-end ms, inter-token ms, money, quality) one layer adds at ``k`` experts."""
-        lc = self.layers[layer]
-        dec = _interp(lc.decode_ms[k], batch)
-        lat = prompt_tokens * lc.prefill_ms[k] + max_tokens * dec
-        price = self.price_at(k)
+        key = (layer, k, batch)
+        rates = self._rates.get(key)
+        if rates is None:
+            lc = self.layers[layer]
+            rates = self._rates[key] = (lc.prefill_ms[k], _interp(lc.decode_ms[k], batch), self.price_at(k),
+                                        lc.quality[k])
+        pre, dec, price, quality = rates
         money = price.of(prompt_tokens, max_tokens) / len(self.layers)
-        return lat, dec, money, lc.quality[k]
+        return prompt_tokens * pre + max_tokens * dec, dec, money, quality
 
     def fixed(self, prompt_tokens: int, max_tokens: int, batch: int) -> tuple[float, float]:
         """(end-to-end ms, inter-token ms) of everything outside the MoE blocks."""
@@ -201,13 +210,28 @@ class CostModel:
     def predict(self, ts: TierSet, prompt_tokens: int, max_tokens: int, batch: int = 1, wait_ms: float = 0.0) -> Prediction:
         """Latency, money and quality of a request at ``ts``; a request pays ``ts.price`` (solver-made TierSets
         carry the mean of their layers' prices, see :meth:`mixed_price`)."""
-        lat, per_tok = self.fixed(prompt_tokens, max_tokens, batch)
-        quality = self.base_quality
-        if self.layers and ts.experts_per_layer:
-            for i, k in enumerate(ts.experts_per_layer):
-                l_lat, l_tok, _, l_q = self.layer_option(i, self._nearest(k), prompt_tokens, max_tokens, batch)
-                lat, per_tok, quality = lat + l_lat, per_tok + l_tok, quality + l_q
+        pre, per_tok, quality = self._rates_at(ts.experts_per_layer, batch)
+        lat = prompt_tokens * pre + max_tokens * per_tok
         return Prediction(lat + wait_ms, per_tok, ts.price.of(prompt_tokens, max_tokens), quality)
+
+    def _rates_at(self, ks: tuple[int, ...], batch: int) -> tuple[float, float, float]:
+        """(ms per prompt token, ms per decode step, quality) of expert counts ``ks`` at ``batch``, cached."""
+        key = (ks, batch)
+        got = self._rates.get(key)
+        if got is not None:
+            return got
+        pre, per_tok = self.fixed_prefill_ms, _interp(self.fixed_decode_ms, batch)
+        quality = self.base_quality
+        if self.layers and ks:
+            for lc, k in zip(self.layers, ks):
+                k = self._nearest(k)
+                pre += lc.prefill_ms[k]
+                per_tok += _interp(lc.decode_ms[k], batch)
+                quality += lc.quality[k]
+        if len(self._rates) >= 4096:  # per-layer mixes x batch sizes: bounded
+            self._rates.clear()
+        got = self._rates[key] = (pre, per_tok, quality)
+        return got
 
     def prefill_ms_per_token(self, ts: TierSet) -> float:
         ms = self.fixed_prefill_ms

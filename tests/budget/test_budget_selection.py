@@ -222,8 +222,10 @@ def test_latency_estimates_follow_what_requests_took():
     def mean(ratios):
         return math.exp(sum(max(-math.log(20), min(math.log(20), math.log(r))) for r in ratios) / len(ratios))
 
-    e2e = mean([e.latency_ms / e.predicted_latency_ms for e in costed])
-    tok = mean([e.per_token_ms / e.predicted_per_token_ms for e in costed])
+    # measured against the cost model's own prediction: each request's correction divided out
+    assert costed[0].correction == (1.0, 1.0) and costed[1].correction != (1.0, 1.0)
+    e2e = mean([e.latency_ms / (e.predicted_latency_ms / e.correction[0]) for e in costed])
+    tok = mean([e.per_token_ms / (e.predicted_per_token_ms / e.correction[1]) for e in costed])
     assert tracker.factors(None, 1) == pytest.approx((e2e, tok))
     assert tracker.factors("balanced", 1) == pytest.approx((e2e, tok))
     balanced = llm
@@ -253,7 +255,46 @@ def test_latency_headroom_keeps_a_share_of_the_budget_out_of_the_plan():
     assert sum(got.tierset.experts_per_layer) < sum(sel_r.full.experts_per_layer)
     assert got.predicted.latency_ms <= full * 1.01 * 0.5 + 1e-9
     cheapest = sel_r.predict(sel_r.solved_tierset((1,) * 4), 5, 8, Load()).latency_ms
-    with pytest.raises(InvalidRequestError, match="latency_cost_ms"):
+    with pytest.raises(InvalidRequestError, match="latency_cost_ms") as err:
         sel_r.select(None, BudgetSpec(latency_cost_ms=cheapest * 1.5), 5, 8)  # fits, but not in half of it
+    assert "50% of a latency limit is planned with (budget.latency_headroom)" in str(err.value)
     with pytest.raises(ConfigError, match="budget.latency_headroom"):
         make("deep", "budget.latency_headroom=1")
+
+
+
+def test_a_plan_its_own_tiersets_measurements_say_would_finish_late_is_refused_up_front():
+    """The solver plans with what requests at every TierSet took; where requests at the TierSet it picks took far
+    longer than predicted, the pick's own corrected prediction is checked against the plan before it runs: refused
+    up front (an invalid-request error naming the budget), not served late."""
+    llm = make("deep", "budget.latency_headroom=0")
+    stage = next(s for s in llm.engine.request_stages if type(s).__name__ == "SelectTier")
+    tracker, sel = stage.tracker, stage.selector
+    full = sel.full.name
+    for _ in range(10):  # requests at the full TierSet took 4x what the cost model said
+        tracker.publish(RequestCosted("r", full, 1, 10.0, 1.0, 40.0, 4.0))
+    for _ in range(30):  # the rest as predicted: the factor over every TierSet comes back near 1
+        tracker.publish(RequestCosted("r", "fast", 1, 10.0, 1.0, 10.0, 1.0))
+    f_all = sel._factors(None, 1)[0]
+    f_full = sel._factors(full, 1)[0]
+    assert f_all < 1.1 and f_full > 3.5
+    raw = sel.cost.predict(sel.full, 5, 8, 1).latency_ms
+    budget = BudgetSpec(latency_cost_ms=raw * 1.5)  # the full model fits by the factor over every TierSet
+    problem = sel.problem(budget, 5, 8, Load())
+    assert sel.solver.solve(problem).ks(problem) == sel.full.experts_per_layer
+    got = sel.select(None, budget, 5, 8)  # not the full model: its own measurements say 4x
+    assert got.tierset.name != full and got.tierset.name in llm.engine.rt.tiers
+    assert got.predicted.latency_ms <= budget.latency_cost_ms
+    # the configured tier of the highest quality whose own prediction keeps the budget
+    fits = [t for t in llm.engine.rt.tiers.values()
+            if sel.predict(t, 5, 8, Load()).latency_ms <= budget.latency_cost_ms]
+    assert got.predicted.quality == max(sel.predict(t, 5, 8, Load()).quality for t in fits)
+    # where no configured tier keeps it by its own measurements (each took 10x): refused up front
+    for t in llm.engine.rt.tiers.values():
+        for _ in range(10):
+            tracker.publish(RequestCosted("r", t.name, 1, 10.0, 1.0, 100.0, 10.0))
+    for _ in range(30):
+        tracker.publish(RequestCosted("r", "auto:2", 1, 10.0, 1.0, 10.0, 1.0))
+    assert sel._factors(None, 1)[0] < 1.1
+    with pytest.raises(InvalidRequestError, match="budget: cannot be met"):
+        sel.select(None, budget, 5, 8)

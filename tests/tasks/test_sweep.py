@@ -115,6 +115,17 @@ def test_the_frontier_counts_rejected_requests_as_failures():
     assert latency(old) is None and latency({**old, "rejected": 4}) == 0.5
 
 
+def test_points_drawn_on_one_another_share_one_label():
+    """Jobs at the same money and quality (a fixed tier under several money budgets) are labelled "1,2,5", not
+    with numbers printed over each other; points apart keep their own labels."""
+    from litellm_pipeline.tasks.report import point_groups
+
+    pts = [(0.005, 0.77), (0.005, 0.77), (0.010, 1.0), (0.0150, 1.0), (0.00502, 0.771), (0.015, 0.5)]
+    assert point_groups(pts) == [((0.005, 0.77), [0, 1, 4]), ((0.010, 1.0), [2]), ((0.015, 1.0), [3]),
+                                 ((0.015, 0.5), [5])]
+    assert point_groups([]) == [] and point_groups([(1.0, 1.0)]) == [((1.0, 1.0), [0])]
+
+
 @pytest.mark.parametrize("n", [2, 8, 24, 40])
 def test_report_plot_reads_at_2_to_40_jobs_without_warnings(tmp_path, n):
     """Tiers coloured, budgets marked, one legend, no warning from matplotlib (tight layout, crowded ticks), jobs

@@ -114,6 +114,26 @@ def test_a_bad_profile_names_what_is_wrong(demo, tmp_path, mutate, words):
         CostModel.from_profile(tmp_path / "missing.json", mc, tiers)
 
 
+@pytest.mark.parametrize("ks", [(1, 1, 1, 1), (2, 1, 8, 2), (8, 8, 8, 8), (3, 5, 1, 2)])
+@pytest.mark.parametrize("batch", [1, 3, 16, 100])
+def test_a_prediction_is_its_layers_options_summed(demo, ks, batch):
+    """predict (cached per expert counts and batch) and the solver's per-layer options (cached per layer, count and
+    batch) say the same: the fixed part plus each layer's option at its count, at any lengths, asked twice."""
+    mc, tiers = demo
+    cm = CostModel.analytic(mc, tiers, choices=(1, 2, 4, 8))
+    ts = TierSet("t", ks)
+    for prompt, out in ((7, 3), (120, 40), (7, 3)):
+        lat, tok = cm.fixed(prompt, out, batch)
+        quality = cm.base_quality
+        for i, k in enumerate(ks):
+            near = min(cm.choices, key=lambda c: (abs(c - k), -c))
+            l_lat, l_tok, _, l_q = cm.layer_option(i, near, prompt, out, batch)
+            lat, tok, quality = lat + l_lat, tok + l_tok, quality + l_q
+        p = cm.predict(ts, prompt, out, batch, wait_ms=2.5)
+        assert p.latency_ms == pytest.approx(lat + 2.5) and p.per_token_ms == pytest.approx(tok)
+        assert p.quality == pytest.approx(quality)
+
+
 def test_latency_tracker_follows_measurements_per_tier_and_bucket():
     t = LatencyTracker(alpha=0.5)
     assert t.factors("balanced", 3) == (1.0, 1.0)
@@ -137,6 +157,18 @@ def test_latency_tracker_follows_measurements_per_tier_and_bucket():
     t.publish(RequestCosted("r", "balanced", 3, 10.0, 1.0, 10.0, None))  # a one-token output: e2e only
     assert t.observations("balanced", 3) == 3
     assert LatencyTracker().factors("balanced", 3) == (1.0, 1.0)  # nothing measured at all
+
+
+def test_latency_tracker_learns_against_the_uncorrected_prediction():
+    """Requests are predicted with the factors of their time; what they took is compared with the cost model's own
+    prediction, so a model that is 2x too optimistic converges to a factor of 2 (compared with the corrected
+    prediction it would settle at sqrt(2), and every request planned at the budget's edge would finish late)."""
+    t = LatencyTracker(alpha=0.3)
+    raw, raw_tok = 10.0, 1.0
+    for _ in range(40):
+        f, g = t.factors("balanced", 1)
+        t.publish(RequestCosted("r", "balanced", 1, raw * f, raw_tok * g, 2 * raw, 3 * raw_tok, (), (f, g)))
+    assert t.factors("balanced", 1) == pytest.approx((2.0, 3.0), rel=1e-3)
 
 
 def test_tierset_views():
