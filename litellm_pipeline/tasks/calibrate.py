@@ -62,6 +62,9 @@ class CalibrateSettings(BaseModel):
     prompts: int = Field(default=8, ge=1)  # calibration sequences for the quality effects
     continuation: int = Field(default=16, ge=1)  # full-model tokens generated after each prompt
     accuracy_per_task: int = Field(default=20, ge=0)  # demo model: held-out prompts per skill (0: skip)
+    # prompts run one at a time (continuation tokens each) in balanced mode with the analytic cost model and with
+    # the new profile, to say how far each one's latency predictions err (0: skip)
+    check_prompts: int = Field(default=40, ge=0)
     out: str | None = None  # null: <run dir>/cost_profile-<model>-<machine>.json
     progress: bool = True
 
@@ -300,6 +303,63 @@ def calibrate(engine, s: CalibrateSettings, demo: bool, model_name: str) -> dict
     return profile
 
 
+def _errors(pairs: list[tuple[float, float]]) -> dict:
+    """(predicted, actual) pairs: the median absolute and the mean signed error of predicted / actual - 1."""
+    errs = [p / a - 1.0 for p, a in pairs if a > 0]
+    if not errs:
+        return {"median_abs": None, "mean": None, "n": 0}
+    return {"median_abs": statistics.median(abs(e) for e in errs), "mean": statistics.fmean(errs), "n": len(errs)}
+
+
+def check_predictions(plain: dict, profile_path: Path, s: CalibrateSettings, demo: bool) -> dict:
+    """How far latency predictions err with the analytic cost model and with the profile at ``profile_path``:
+    ``check_prompts`` prompts one at a time (``continuation`` tokens each, past any EOS) in ``balanced`` mode;
+    per cost model the error of its own prediction, of the prediction the latency tracker corrected (what the
+    solver plans with), and of the first request's (nothing measured yet)."""
+    import copy
+
+    from litellm_pipeline.config.build import build_engine
+    from litellm_pipeline.tasks.budget_load import workload_prompts
+    from litellm_pipeline.telemetry import RequestCosted
+
+    prompts = workload_prompts(s.check_prompts, demo, seed=4321)
+    params = SamplingParams(max_tokens=s.continuation, temperature=0.0, ignore_eos=True)
+    out = {}
+    for name, profile in (("analytic", None), ("profile", str(profile_path))):
+        cfg = copy.deepcopy(plain)
+        cfg.setdefault("pipeline", {}).setdefault("stages", {}).setdefault("select_tier", {}).setdefault(
+            "params", {})["mode"] = "balanced"
+        cfg.setdefault("budget", {})["profile"] = profile
+        engine = build_engine(cfg)
+        costed: list[RequestCosted] = []
+        engine.rt.bus.subscribe(_Collect(costed))
+        for p in prompts:
+            engine.run([engine.add_request(p, params)])
+        own = [(e.predicted_latency_ms / e.correction[0], e.latency_ms) for e in costed]
+        corrected = [(e.predicted_latency_ms, e.latency_ms) for e in costed]
+        out[name] = {"own": _errors(own), "corrected": _errors(corrected), "first": _errors(own[:1])}
+        engine.close()
+    return out
+
+
+class _Collect:
+    """A bus sink keeping the RequestCosted events."""
+
+    def __init__(self, into: list):
+        self.into = into
+
+    def publish(self, event) -> None:
+        from litellm_pipeline.telemetry import RequestCosted
+
+        if type(event) is RequestCosted:
+            self.into.append(event)
+
+
+def _pct(e: dict, key: str) -> str:
+    v = e[key]
+    return "-" if v is None else f"{v:+.0%}" if key == "mean" else f"{v:.0%}"
+
+
 def run(cfg) -> dict:
     """The ``calibrate`` task: build the configured engine, measure, print a summary, write the profile."""
     from litellm_pipeline.config.build import build_engine, to_plain
@@ -339,4 +399,17 @@ def run(cfg) -> dict:
     if "accuracy" in profile:
         print("demo accuracy by tier: " + ", ".join(f"{t} {a:.3f}" for t, a in profile["accuracy"].items()))
     print(f"wrote {where}  (use it: budget.profile={where})")
+    if s.check_prompts:
+        engine.close()
+        check = check_predictions(plain, Path(where), s, plain["model"].get("path") is None)
+        profile["prediction_check"] = check
+        print(f"latency predictions, {s.check_prompts} prompts one at a time ({s.continuation} tokens each), balanced "
+              "mode: error of predicted / measured end-to-end latency, median of its size and mean with its sign")
+        print(f"{'cost model':<12}{'its own prediction':>22}{'corrected by the tracker':>28}{'first request':>16}")
+        for name, c in check.items():
+            own, cor = c["own"], c["corrected"]
+            print(f"{name:<12}{_pct(own, 'median_abs') + ', ' + _pct(own, 'mean'):>22}"
+                  f"{_pct(cor, 'median_abs') + ', ' + _pct(cor, 'mean'):>28}{_pct(c['first'], 'mean'):>16}")
+        check_path = write_json(check, Path(where).with_name(Path(where).stem + "-prediction_check.json"))
+        print(f"wrote {check_path}")
     return profile

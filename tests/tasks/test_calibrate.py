@@ -33,10 +33,11 @@ def profile_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("calib")
     cmd = [sys.executable, "-m", "litellm_pipeline", "+recipe=calibrate", "calibrate.batch_sizes=[1,4]",
            "calibrate.repeats=1", "calibrate.decode_steps=2", "calibrate.prompts=3", "calibrate.continuation=4",
-           "calibrate.accuracy_per_task=2", "calibrate.progress=false", f"hydra.run.dir={tmp}/run"]
+           "calibrate.accuracy_per_task=2", "calibrate.check_prompts=3", "calibrate.progress=false",
+           f"hydra.run.dir={tmp}/run"]
     proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=600, env={**os.environ})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (path,) = (tmp / "run").glob("cost_profile-*.json")
+    (path,) = (tmp / "run").glob("cost_profile-*[!k].json")
     return proc.stdout, path
 
 
@@ -59,6 +60,13 @@ def test_calibrate_writes_a_profile_the_budget_solvers_load(profile_run):
     assert t["measured"] == 4 * 4 * 3 + 1 and t["stable_spread"] == 0.1  # layers x k x (prefill, b=1, b=4), prefill
     assert ("timings stable: all 49" in stdout) == (not t["unstable"])
     assert all(u["runs"] >= 4 and u["spread"] > 0.1 for u in t["unstable"])
+    # then how far predictions err with the analytic model and with the profile, three prompts one at a time
+    check = json.loads(path.with_name(path.stem + "-prediction_check.json").read_text())
+    assert set(check) == {"analytic", "profile"}
+    for c in check.values():
+        assert c["own"]["n"] == c["corrected"]["n"] == 3 and c["first"]["n"] == 1
+        assert c["own"]["median_abs"] >= 0 and c["first"]["median_abs"] == abs(c["first"]["mean"])
+    assert "latency predictions, 3 prompts one at a time" in stdout and "corrected by the tracker" in stdout
     llm = LLM(overrides=["pipeline.stages.select_tier.params.mode=balanced", f"budget.profile={path}"])
     assert llm.engine.rt.cost_model.source == str(path)
     (o,) = llm.generate("12+34=", SamplingParams(max_tokens=4, temperature=0.0), budget={"monetary_cost_units": 1.0})
