@@ -332,7 +332,7 @@ def check_predictions(plain: dict, profile_path: Path, s: CalibrateSettings, dem
         cfg.setdefault("budget", {})["profile"] = profile
         engine = build_engine(cfg)
         costed: list[RequestCosted] = []
-        engine.rt.bus.subscribe(_Collect(costed))
+        engine.rt.bus.subscribe(_Collect(RequestCosted, costed))
         for p in prompts:
             engine.run([engine.add_request(p, params)])
         own = [(e.predicted_latency_ms / e.correction[0], e.latency_ms) for e in costed]
@@ -343,15 +343,13 @@ def check_predictions(plain: dict, profile_path: Path, s: CalibrateSettings, dem
 
 
 class _Collect:
-    """A bus sink keeping the RequestCosted events."""
+    """A bus sink keeping the events of one type."""
 
-    def __init__(self, into: list):
-        self.into = into
+    def __init__(self, kind: type, into: list):
+        self.kind, self.into = kind, into
 
     def publish(self, event) -> None:
-        from litellm_pipeline.telemetry import RequestCosted
-
-        if type(event) is RequestCosted:
+        if type(event) is self.kind:
             self.into.append(event)
 
 
