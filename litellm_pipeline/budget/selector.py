@@ -132,29 +132,28 @@ class TierSetSelector:
         # the solver plans with what requests at every TierSet took; what requests at this one took says it would
         # not keep the budget: the best configured tier whose own prediction keeps it, else refused up front
         # rather than served late
+        lat_scale, money_scale = self._scales(prompt_tokens, max_tokens, load.batch)
         best = None
         for t in self.tiers.values():
             alt = self._selection(t, prompt_tokens, max_tokens, load, True, self.mode)
-            if not self._keeps_plan(alt.predicted, budget) or not within(alt.predicted, budget).get(
-                    "monetary_cost_units", True):
+            pred = alt.predicted
+            if not self._keeps_plan(pred, budget) or not within(pred, budget).get("monetary_cost_units", True):
                 continue
-            score = self._score(alt.predicted, prompt_tokens, max_tokens, load)
+            # what the mode maximizes, for the whole TierSet (as ``problem`` weighs its layers)
+            score = pred.quality if self.mode == "deep" else (
+                self.weights.quality * pred.quality - lat_scale * pred.latency_ms - money_scale * pred.monetary)
             if best is None or score > best[0]:
                 best = (score, alt)
         if best is not None:
             return best[1]
         return self._infeasible(problem, budget, prompt_tokens, max_tokens, load)
 
-    def _score(self, pred: Prediction, prompt_tokens: int, max_tokens: int, load: Load) -> float:
-        """What the mode maximizes, for a whole TierSet's prediction: quality (``deep``), or quality minus latency
-        and money relative to the full model's (``balanced``, as :meth:`problem` weighs them)."""
-        if self.mode == "deep":
-            return pred.quality
+    def _scales(self, prompt_tokens: int, max_tokens: int, batch: int) -> tuple[float, float]:
+        """``balanced`` mode's weights on latency and money, relative to the full model's for this request."""
+        full = self.cost.predict(self.full, prompt_tokens, max_tokens, batch)
         w = self.weights
-        full = self.cost.predict(self.full, prompt_tokens, max_tokens, load.batch)
-        lat = w.latency / full.latency_ms if full.latency_ms > 0 else 0.0
-        money = w.monetary / full.monetary if full.monetary > 0 else 0.0
-        return w.quality * pred.quality - lat * pred.latency_ms - money * pred.monetary
+        return (w.latency / full.latency_ms if full.latency_ms > 0 else 0.0,
+                w.monetary / full.monetary if full.monetary > 0 else 0.0)
 
     def predict(self, ts: TierSet, prompt_tokens: int, max_tokens: int, load: Load) -> Prediction:
         """The cost model's prediction, corrected by what requests at this TierSet and batch actually took."""
@@ -215,9 +214,7 @@ class TierSetSelector:
     def problem(self, budget: BudgetSpec | None, prompt_tokens: int, max_tokens: int, load: Load) -> Problem:
         """One option per expert count per layer; constraints: end-to-end ms, inter-token ms, money."""
         cm, w = self.cost, self.weights
-        full = cm.predict(self.full, prompt_tokens, max_tokens, load.batch)
-        lat_scale = w.latency / full.latency_ms if full.latency_ms > 0 else 0.0
-        money_scale = w.monetary / full.monetary if full.monetary > 0 else 0.0
+        lat_scale, money_scale = self._scales(prompt_tokens, max_tokens, load.batch)
         layers = []
         for i in range(len(cm.layers)):
             opts = []

@@ -320,7 +320,7 @@ def check_predictions(plain: dict, profile_path: Path, s: CalibrateSettings, dem
 
     from litellm_pipeline.config.build import build_engine
     from litellm_pipeline.tasks.budget_load import workload_prompts
-    from litellm_pipeline.telemetry import RequestCosted
+    from litellm_pipeline.telemetry import MemorySink, RequestCosted
 
     prompts = workload_prompts(s.check_prompts, demo, seed=4321)
     params = SamplingParams(max_tokens=s.continuation, temperature=0.0, ignore_eos=True)
@@ -331,26 +331,16 @@ def check_predictions(plain: dict, profile_path: Path, s: CalibrateSettings, dem
             "params", {})["mode"] = "balanced"
         cfg.setdefault("budget", {})["profile"] = profile
         engine = build_engine(cfg)
-        costed: list[RequestCosted] = []
-        engine.rt.bus.subscribe(_Collect(RequestCosted, costed))
+        sink = MemorySink()
+        engine.rt.bus.subscribe(sink)
         for p in prompts:
             engine.run([engine.add_request(p, params)])
+        costed = sink.of(RequestCosted)
         own = [(e.predicted_latency_ms / e.correction[0], e.latency_ms) for e in costed]
         corrected = [(e.predicted_latency_ms, e.latency_ms) for e in costed]
         out[name] = {"own": _errors(own), "corrected": _errors(corrected), "first": _errors(own[:1])}
         engine.close()
     return out
-
-
-class _Collect:
-    """A bus sink keeping the events of one type."""
-
-    def __init__(self, kind: type, into: list):
-        self.kind, self.into = kind, into
-
-    def publish(self, event) -> None:
-        if type(event) is self.kind:
-            self.into.append(event)
 
 
 def _pct(e: dict, key: str) -> str:

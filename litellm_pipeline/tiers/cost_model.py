@@ -72,10 +72,12 @@ class CostModel:
     base_quality: float = 1.0
 
     def __post_init__(self) -> None:
-        # per (expert counts, batch): (ms per prompt token, ms per decode step, quality); a request's latency is
-        # linear in its prompt and output lengths, so a request's prediction is two products once these are known
-        # (predictions are made several times per admitted request, on the engine's thread)
+        # a request's latency is linear in its prompt and output lengths, so a prediction is two products once
+        # the rates are known (predictions are made several times per admitted request, on the engine's thread):
+        # per (expert counts, batch) (ms per prompt token, ms per decode step, quality), and per (layer, count,
+        # batch) the layer's (ms per prompt token, ms per decode step, price, quality)
         object.__setattr__(self, "_rates", {})
+        object.__setattr__(self, "_layer_rates", {})
 
     # ---- building ---------------------------------------------------------------------------------------
     @staticmethod
@@ -193,10 +195,12 @@ class CostModel:
     def layer_option(self, layer: int, k: int, prompt_tokens: int, max_tokens: int, batch: int):
         """(end-to-end ms, inter-token ms, money, quality) one layer adds at ``k`` experts."""
         key = (layer, k, batch)
-        rates = self._rates.get(key)
+        rates = self._layer_rates.get(key)
         if rates is None:
             lc = self.layers[layer]
-            rates = self._rates[key] = (lc.prefill_ms[k], _interp(lc.decode_ms[k], batch), self.price_at(k),
+            if len(self._layer_rates) >= 4096:  # layers x counts x batch sizes: bounded
+                self._layer_rates.clear()
+            rates = self._layer_rates[key] = (lc.prefill_ms[k], _interp(lc.decode_ms[k], batch), self.price_at(k),
                                         lc.quality[k])
         pre, dec, price, quality = rates
         money = price.of(prompt_tokens, max_tokens) / len(self.layers)
