@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 _PRIOR = 2.0
 _DECAY = 0.9
 # a step slower than the average moves it a little, a faster one a lot: a shared machine's noise only ever adds
-# time, and a first step that paid for warming up (kernels, plans) is soon forgotten
+# time. The first step of a shape (requests, rows) may pay for warming up (kernels, buffers, plans), and a shape
+# judged too dear is not run again to correct it: its first time is held back, and the cheaper of its first two
+# times starts its average
 _SLOWER_WEIGHT = 0.1
 _FASTER_WEIGHT = 0.5
 # a draft must promise this much more throughput than the step without it (a loss weighs more than a missed gain)
@@ -87,6 +89,9 @@ class StepCosts:
         else:
             by_rows[rows] = old + (_SLOWER_WEIGHT if seconds > old else _FASTER_WEIGHT) * (seconds - old)
 
+    def known(self, n: int, rows: int) -> bool:
+        return rows in self._seen.get(n, ())
+
     def estimate(self, n: int, rows: int) -> float | None:
         by_rows = self._seen.get(n)
         if not by_rows:
@@ -136,6 +141,7 @@ class Speculator:
         self._curves: dict[int, list[float]] = {}  # by requests in the step: see _curve
         self._stamp = (-1, 0)  # the costs' (row counts seen, measurements) when the curves were built
         self.draft_costs = StepCosts()  # the proposer's seconds per step (propose and fill), by tokens asked
+        self._first: dict[tuple[bool, int, int], float] = {}  # a shape's first time, held back (see _record)
         # the current step: tokens asked of the proposer, tokens verified, the proposer's seconds
         self._asked = self._drafted = 0
         self._draft_s = 0.0
@@ -343,13 +349,25 @@ class Speculator:
         verified, the proposer's part by the tokens asked of it (a prompt lookup that found nothing verifies no
         rows but was asked; a draft model's work follows what it was asked)."""
         if n and n == self._measure:
-            self.costs.observe(n, n + self._drafted, seconds - self._draft_s)
+            self._record(False, n, n + self._drafted, seconds - self._draft_s)
             if self._asked:
-                self.draft_costs.observe(0, self._asked, self._draft_s)
+                self._record(True, 0, self._asked, self._draft_s)
         if self.adaptive:
             self._explore_budget = min(self._explore_budget + _EXPLORE_SHARE * seconds, 1.0)
         self._asked = self._drafted = 0
         self._draft_s = 0.0
+
+    def _record(self, draft: bool, n: int, rows: int, seconds: float) -> None:
+        """A measured step into its StepCosts; a shape's first time is held back until its second, and the cheaper
+        of the two starts the average (until then the shape is estimated from its neighbours, so it runs again)."""
+        costs = self.draft_costs if draft else self.costs
+        key = (draft, n, rows)
+        if costs.known(n, rows):
+            costs.observe(n, rows, seconds)
+        elif key in self._first:
+            costs.observe(n, rows, min(seconds, self._first.pop(key)))
+        else:
+            self._first[key] = seconds
 
     def fill(self, schedule: Sequence[tuple[Request, int]]) -> bool:
         """The proposer's ``fill`` over the scheduled drafts (their KV grown); True if it ran (drafts may be

@@ -87,6 +87,25 @@ def test_exploration_tries_each_other_k_within_its_budget():
     assert s._explore_budget == pytest.approx(1.0)
 
 
+def test_a_first_step_that_paid_for_warming_up_does_not_end_drafting():
+    s = _spec()
+    good = _req(9, 1)
+    for _ in range(2):  # plain steps of one request: the first held back, the second known
+        s._measure = 1
+        s.observe(1, 1.0)
+    assert s.costs.estimate(1, 1) == 1.0
+    assert s._worth(1, [good], [4])[1] == [4]  # drafted rows estimated as cheap as the step: tried
+    s._measure, s._drafted = 1, 4
+    s.observe(1, 9.0)  # its first verification paid for warming up: held back, so it is tried again
+    assert s.costs.estimate(1, 5) == 1.0 and s._worth(1, [good], [4])[1] == [4]
+    s._measure, s._drafted = 1, 4
+    s.observe(1, 1.5)  # the cheaper of its first two times starts its average
+    assert s.costs.estimate(1, 5) == 1.5 and s._worth(1, [good], [4])[1] == [4]
+    s._measure, s._drafted = 1, 4
+    s.observe(1, 9.0)  # from now on each time moves the average (a slower one a little)
+    assert 1.5 < s.costs.estimate(1, 5) < 2.5
+
+
 def _oracle(ref_ids, delay_s):
     class Oracle:
         """Drafts exactly what the model will generate (so every token is kept), taking ``delay_s`` per call."""
@@ -117,9 +136,9 @@ def test_a_draft_that_costs_more_than_it_yields_is_given_up(path):
             llm = LLM(model=str(path), dtype="float32", overrides=[f"speculative.method={name}"])
             outs[name] = llm.generate(prompt, sp)[0]
         assert outs[name].token_ids == ref
-    # 50 ms per draft against a step of about a millisecond: drafted once (nothing measured yet), and not again:
-    # a try of another k would cost 50 times what 1% of the steps gives it
-    assert outs["slow"].num_draft_tokens == 4
+    # 50 ms per draft against a step of about a millisecond: drafted twice (a shape's first time is held back as a
+    # possible warm-up), and not again: a try of another k would cost 50 times what 1% of the steps gives it
+    assert outs["slow"].num_draft_tokens == 8
     # the same drafts for free: every token is kept, so it drafts nearly every step
     assert outs["free"].num_accepted_tokens >= 40
 
