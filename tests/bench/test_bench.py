@@ -187,16 +187,25 @@ def test_cpu_monitor_counts_the_processes_the_bench_started_as_its_own():
     the bench's own load, not another process's: a busy machine would be flagged otherwise."""
     from litellm_pipeline.bench.machine import CpuMonitor
 
+    def cpu_s(pid):  # utime + stime of one process, from /proc
+        with open(f"/proc/{pid}/stat") as f:
+            return sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13]) / os.sysconf("SC_CLK_TCK")
+
     mon = CpuMonitor()
     child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
-                              "while time.process_time() - t < 3: pass"])
+                              "while time.process_time() - t < 30: pass"])
     try:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 20
+        while cpu_s(child.pid) < 0.5 and time.monotonic() < deadline:  # however busy the machine is
+            time.sleep(0.05)
         phase = mon.mark("child spinning")
+        spun = cpu_s(child.pid)
     finally:
         child.kill()
         child.wait()
-    assert phase["own_cores"] > 0.5, phase
+    assert spun >= 0.5
+    # what the child spun is counted as the bench's own (this process itself only slept)
+    assert phase["own_cores"] * phase["wall_s"] >= 0.9 * spun, (phase, spun)
 
 
 def test_int8_bytes_per_token_equal_the_quantized_model(tmp_path):

@@ -125,7 +125,7 @@ def path(hf_checkpoint):
     return hf_checkpoint("llama")
 
 
-def test_a_draft_that_costs_more_than_it_yields_is_given_up(path):
+def test_a_draft_that_costs_more_than_it_yields_is_given_up(path, steady_steps):
     prompt = random_prompts([9], seed=5)[0]
     sp = greedy(64)
     ref = LLM(model=str(path), dtype="float32").generate(prompt, sp)[0].token_ids
