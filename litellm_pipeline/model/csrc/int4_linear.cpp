@@ -395,27 +395,127 @@ inline void q8_tile(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
     for (int r = 0; r < R; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(q8_hsum8(acc[m][r]) + off[m][r], o + r);
 }
 
+#if LLP_Q4_AVX512 && defined(__AVX512BW__)
+#define LLP_Q8_512 1
+// 64 weights (two blocks) per step in 512-bit registers. The 32 code bytes of blocks b, b + 1 become one register
+// [b low nibbles | b+1 low | b high | b+1 high] (a shift and a lane insert), so the activations are read as their
+// 128-bit quarters 0, 2, 1, 3 (one shuffle per input row, shared by every weight row). The integer sums' lanes
+// 0-3 and 8-11 are block b's, 4-7 and 12-15 block b + 1's; each lane is scaled by its block's d_g and dx_b, and
+// the offsets' part z_g * e_b is spread over the block's 8 lanes (e_b / 8, exact): per 64 weights and weight row
+// about ten instructions where the 256-bit tile takes twice that. A last odd block is summed apart (ymm).
+inline __m512i q8_dot512(__m512i codes, __m512i xq) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(codes, xq), _mm512_set1_epi16(1));  // |pair| <= 2 * 15 * 127
+#endif
+}
+// two floats p[0], p[1] as lanes [p0 x4, p1 x4, p0 x4, p1 x4] (the blocks' lanes, see above)
+inline __m512 q8_pair(const float* p, __m512i idx) {
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)))));
+}
+
+// the scales (or offsets) of two adjacent blocks, of groups gi and gi1 (= gi or gi + 1) of p, as q8_pair lays
+// them out
+inline __m512 q8_groups(const float* p, int64_t gi, int64_t gi1, __m512i idx) {
+  return gi == gi1 ? _mm512_set1_ps(p[gi]) : q8_pair(p + gi, idx);
+}
+
+template <typename T, typename S, int MC, int R>
+inline void q8_tile512(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
+  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const bool sym = a.z == nullptr;
+  alignas(64) float ds[R][kChunk], zs[R][kChunk];
+  __m512 acc[MC][R];
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const uint8_t* w = a.w + o * half;
+  for (int64_t g0 = 0; g0 < ng; g0 += kChunk) {
+    const int64_t gn = std::min(kChunk, ng - g0);
+    widen_groups<T, S, R>(a, o, g0, gn, ds, zs);
+    const int64_t b_end = std::min(nb, (g0 + gn) * per) & ~int64_t(1);  // pairs only: chunks hold whole pairs
+    for (int64_t b = g0 * per; b < b_end; b += 2) {
+      const int64_t gi = b / per - g0, gi1 = (b + 1) / per - g0;  // the two blocks' groups (in this chunk)
+      prefetch_next(w, R, half, b * 16, 32);
+      __m512 dx[MC], e[MC];
+      __m512i xv[MC];
+#pragma GCC unroll 4
+      for (int m = 0; m < MC; ++m) {
+        const int64_t row = (m0 + m);
+        const __m512i raw = _mm512_loadu_si512(q.xq.data() + row * a.K + b * 32);
+        xv[m] = _mm512_shuffle_i64x2(raw, raw, _MM_SHUFFLE(3, 1, 2, 0));
+        dx[m] = q8_pair(q.dx.data() + row * nb + b, idx);
+        e[m] = _mm512_mul_ps(q8_pair(q.e.data() + row * nb + b, idx), _mm512_set1_ps(sym ? -1.f : 0.125f));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * half + b * 16));
+        const __m512i codes = _mm512_and_si512(
+            _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1), low);
+        const __m512 dw = q8_groups(ds[r], gi, gi1, idx);
+        const __m512 zw = sym ? dw : q8_groups(zs[r], gi, gi1, idx);
+#pragma GCC unroll 4
+        for (int m = 0; m < MC; ++m) {
+          const __m512 s = _mm512_cvtepi32_ps(q8_dot512(codes, xv[m]));
+          if (sym) {  // d * (dx * sum n xq - 8 e): z = -8 d
+            acc[m][r] = _mm512_fmadd_ps(dw, _mm512_fmadd_ps(s, dx[m], e[m]), acc[m][r]);
+          } else {
+            acc[m][r] = _mm512_fmadd_ps(zw, e[m], _mm512_fmadd_ps(dw, _mm512_mul_ps(s, dx[m]), acc[m][r]));
+          }
+        }
+      }
+    }
+  }
+  float tail[MC][R] = {};
+  if (nb % 2) {  // the last block alone: its integer sums, then scaled as the scalar path does
+    const int64_t b = nb - 1, g = b / per;
+    for (int r = 0; r < R; ++r) {
+      const float dg = a.scale(o + r, g), zg = a.offset(o + r, g, dg);
+      const __m256i codes = q8_codes(w + r * half + b * 16);
+      for (int m = 0; m < MC; ++m) {
+        const int64_t row = m0 + m;
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.xq.data() + row * a.K + b * 32));
+        const __m256i d8 = q8_dot(codes, xq);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(d8), _mm256_extracti128_si256(d8, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        tail[m][r] = std::fma(static_cast<float>(_mm_cvtsi128_si32(s4)), dg * q.dx[row * nb + b], zg * q.e[row * nb + b]);
+      }
+    }
+  }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r)
+      a.y[(m0 + m) * a.O + o + r] = a.finish(_mm512_reduce_add_ps(acc[m][r]) + tail[m][r], o + r);
+}
+#define Q8_TILE q8_tile512
+#else
+#define LLP_Q8_512 0
+#define Q8_TILE q8_tile
+#endif
+
 constexpr int kQ8R1 = LLP_Q4_AVX512 ? 8 : 4;  // weight rows per tile for one input row (registers: 32 / 16)
 
 template <typename T, typename S>
 void q8_rows_vector(const Q4<T, S>& a, const Q8Rows& q, int64_t o0, int64_t o1) {
   int64_t o = o0;
   if (a.M == 1) {
-    for (; o + kQ8R1 <= o1; o += kQ8R1) q8_tile<T, S, 1, kQ8R1>(a, q, o, 0);
+    for (; o + kQ8R1 <= o1; o += kQ8R1) Q8_TILE<T, S, 1, kQ8R1>(a, q, o, 0);
   } else {
     for (; o + 2 <= o1; o += 2) {
       int64_t m = 0;
-      for (; m + 4 <= a.M; m += 4) q8_tile<T, S, 4, 2>(a, q, o, m);
+      for (; m + 4 <= a.M; m += 4) Q8_TILE<T, S, 4, 2>(a, q, o, m);
       switch (a.M - m) {
-        case 1: q8_tile<T, S, 1, 2>(a, q, o, m); break;
-        case 2: q8_tile<T, S, 2, 2>(a, q, o, m); break;
-        case 3: q8_tile<T, S, 3, 2>(a, q, o, m); break;
+        case 1: Q8_TILE<T, S, 1, 2>(a, q, o, m); break;
+        case 2: Q8_TILE<T, S, 2, 2>(a, q, o, m); break;
+        case 3: Q8_TILE<T, S, 3, 2>(a, q, o, m); break;
         default: break;
       }
     }
   }
   for (; o < o1; ++o)
-    for (int64_t m = 0; m < a.M; ++m) q8_tile<T, S, 1, 1>(a, q, o, m);
+    for (int64_t m = 0; m < a.M; ++m) Q8_TILE<T, S, 1, 1>(a, q, o, m);
 }
 #endif
 
