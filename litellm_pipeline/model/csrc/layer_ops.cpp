@@ -87,8 +87,10 @@ template <typename T>
 inline float rnd(float x) { return to_f(from_f<T>(x)); }
 
 // ---------------------------------------------------------------------------------------------- small_linear
-// a tile with PF set asks for the next tile's lines itself only for rows shorter than this (see the AVX2 tile)
+// a tile with PF set asks for the next tile's lines itself only for rows shorter than this (see the AVX2 tile),
+// and a one-row linear only where its weights are larger than an L2 (they stream from memory)
 constexpr int64_t kPrefetchRowBytes = 4096;
+constexpr int64_t kCachedBytes = 1 << 20;
 #if LLP_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 widen(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
@@ -319,6 +321,10 @@ void linear_rows(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t
                  int64_t o1) {
   if (M == 1) {  // one input row: 8 weight rows per tile keep more memory streams in flight
     int64_t o = o0;
+    // a matrix that fits in the L2 is read from the caches: asking for its lines would only cost issue slots
+    if (O * K * static_cast<int64_t>(sizeof(T)) < kCachedBytes)
+      for (; o + kTileR1 <= o1; o += kTileR1)
+        tile<T, 1, kTileR1, DP, false>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     for (; o + kTileR1 <= o1; o += kTileR1) tile<T, 1, kTileR1, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     for (; o < o1; ++o) tile<T, 1, 1, DP>(x, K, w + o * K, bias ? bias + o : nullptr, y + o, O);
     return;
