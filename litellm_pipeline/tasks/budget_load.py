@@ -182,7 +182,8 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float] | None:
     d = 1 + z * z / n
     mid = (p + z * z / (2 * n)) / d
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, mid - half), min(1.0, mid + half)
+    # it always holds p: where rounding puts a bound a hair past it (k = 0 or k = n), the bound is p itself
+    return max(0.0, min(mid - half, p)), min(1.0, max(mid + half, p))
 
 
 def pool(runs: list[dict], busy_cores: float) -> dict:

@@ -55,6 +55,11 @@ def test_wilson_interval():
     assert abs(lo - 0.7639) < 1e-3 and abs(hi - 0.9911) < 1e-3  # the score interval of 19 / 20
     lo, hi = wilson(50, 100)
     assert abs(lo - 0.4038) < 1e-3 and abs(hi - 0.5962) < 1e-3
+    for n in range(1, 120):  # the interval holds the observed rate, all met and none met included
+        for k in range(n + 1):
+            lo, hi = wilson(k, n)
+            assert 0.0 <= lo <= k / n <= hi <= 1.0, (k, n)
+        assert wilson(n, n)[1] == 1.0 and wilson(0, n)[0] == 0.0
 
 
 def test_tighter_latency_budgets_get_cheaper_tiersets():
