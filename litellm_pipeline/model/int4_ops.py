@@ -27,9 +27,10 @@ error before anything is changed.
 ``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``) in the arithmetic
 ``activations`` names, per row in a fixed order, biased and rounded once to ``x``'s dtype, so a row's result does
 not depend on its batch (``engine.deterministic`` runs it at every row count). Steps with more than
-``INT4_KERNEL_MAX_ROWS`` rows (prefill) widen the weights to float32 in blocks of rows and use torch's GEMM with
+``kernel_max_rows`` rows (prefill; 64 with the AVX-512 build's 512-bit tile, else ``INT4_KERNEL_MAX_ROWS``, 16)
+widen the weights to float32 in blocks of rows and use torch's GEMM with
 the exact activations. The whole-model decode step of ``cpu_fused`` (its C++ ``DecodePlan``) runs the same
-kernel on its threads for steps of up to ``INT4_KERNEL_MAX_ROWS`` rows; the per-layer fused paths do not take 4-bit
+kernel on its threads for steps of up to ``kernel_max_rows`` rows; the per-layer fused paths do not take 4-bit
 weights (those steps run layer by layer through ``linear``). Expert offload (``moe.hot_experts``) is refused.
 
 Accuracy against float32 is measured in ``tests/model/test_int4_ops.py`` and the docs (``docs/quantization.md``).
@@ -46,6 +47,7 @@ from litellm_pipeline.model.int8_ops import Int8LayerOps, _key
 from litellm_pipeline.registry import register
 
 # Most rows for which (deterministic=False) the 4-bit kernel runs; above, widen-and-GEMM (see the docs' measurements)
+# (the build's own limit, ``Int4LayerOps.kernel_max_rows``, is 64 with the 512-bit AVX-512 tile)
 INT4_KERNEL_MAX_ROWS = 16
 # output rows widened to float32 at a time on the many-row path (bounds its temporary to ~this x K x 4 bytes)
 _DEQUANT_BLOCK = 1024
@@ -145,10 +147,12 @@ class Int4LayerOps(Int8LayerOps):
         self.int4_q8 = activations == "int8"
         self._stacked: dict[tuple, torch.Tensor] = {}  # plan_scale's stacked scales and offsets
         self._int4_linear = self._int4_dequant = None
+        self.kernel_max_rows = INT4_KERNEL_MAX_ROWS  # steps of more rows widen the weights for torch's GEMM
         if self._ok:
             ns = torch.ops.litellm_pipeline_cpu
             self._int4_linear = ns.int4_linear.default
             self._int4_dequant = ns.int4_dequant.default
+            self.kernel_max_rows = int(ns.int4_kernel_max_rows())
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -217,7 +221,7 @@ class Int4LayerOps(Int8LayerOps):
             and w.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and w.is_contiguous()
-            and (self.deterministic or x.shape[0] <= INT4_KERNEL_MAX_ROWS)
+            and (self.deterministic or x.shape[0] <= self.kernel_max_rows)
         ):
             return self._int4_linear(x, w, g.scale, g.zero, g.group, bias, self.int4_q8)
         return self._widened_linear(x, w, g, bias)

@@ -148,7 +148,7 @@ def test_kernel_matches_float64_of_the_dequantized_weights(ns, dtype):
                 assert ((ref8 - ref).abs() <= act_err + tol8 + tol).all()  # the activations' rounding, no more
                 q8_paths = [("int4_linear q8", ns.int4_linear(x, q, gr.scale, gr.zero, group, b, True)),
                             ("int4_linear_scalar q8", ns.int4_linear_scalar(x, q, gr.scale, gr.zero, group, b, True))]
-                if m <= INT4_KERNEL_MAX_ROWS:  # more rows: the widened GEMM with exact activations
+                if m <= q8_ops.kernel_max_rows:  # more rows: the widened GEMM with exact activations
                     q8_paths.append(("ops.linear q8", q8_ops.linear(x, q, b)))
                 for name, y in q8_paths:
                     err = (y.double() - ref8).abs()
@@ -329,8 +329,24 @@ def test_batch_invariance(ns, deterministic):
     ops = Int4LayerOps(deterministic=deterministic, symmetric=False)
     q, gr = ops._quantize(torch.randn(37, 64))
     ops._register(q, gr)
-    assert_batch_invariant(ops, q, torch.randn(37), 64, 40 if deterministic else INT4_KERNEL_MAX_ROWS)
+    assert_batch_invariant(ops, q, torch.randn(37), 64, 40 if deterministic else ops.kernel_max_rows)
 
 
 def test_deterministic_engine_rows_alone_equal_batched():
     assert_deterministic_rows_alone_equal_batched(INT4, Int4LayerOps)
+
+
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_steps_up_to_the_builds_kernel_rows_run_the_kernel(ns, activations):
+    """The 512-bit tile (AVX-512) takes steps of up to 64 rows, the 256-bit and scalar ones 16; a step of more
+    rows widens the weights for torch's GEMM (exact activations)."""
+    ops = Int4LayerOps(activations=activations)
+    assert ops.kernel_max_rows == (64 if ns.int4_linear_isa() == "avx512" else INT4_KERNEL_MAX_ROWS)
+    q, gr = ops._quantize(torch.randn(24, 96))
+    ops._register(q, gr)
+    q8 = activations == "int8"
+    for m in (ops.kernel_max_rows, ops.kernel_max_rows + 1):
+        x = torch.randn(m, 96)
+        path = ns.int4_linear(x, q, gr.scale, None, 32, None, q8) if m <= ops.kernel_max_rows else \
+            ops._widened_linear(x, q, gr, None)
+        assert torch.equal(ops.linear(x, q), path), m

@@ -129,6 +129,9 @@ void int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t gro
 template <typename T>
 void int4_prepare(const T* x, int64_t M, int64_t K);
 void int4_release();
+// the most rows for which int4_rows beats widening the weights for a GEMM in this build: 64 with the 512-bit int4
+// tile, else 16 (measured: docs/results/2026-12-07-avx512-streaming.md)
+int64_t int4_kernel_max_rows();
 
 // paged_attention.cpp: its argument checks, and kv heads [h0, h1) of the queries of sequences [s0, s1) on the
 // calling thread

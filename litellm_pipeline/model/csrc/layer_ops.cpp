@@ -674,7 +674,6 @@ at::Tensor upconvert_linear(const at::Tensor& x, const at::Tensor& w, const c10:
 // at any count in the batch-invariant mode, else the weights widened to float32 and torch's GEMM; the sums scaled
 // and rounded once to x's dtype (int8_ops.py's linear, the same two paths).
 constexpr int64_t kInt8KernelRows = 64;  // int8_ops.INT8_KERNEL_MAX_ROWS
-constexpr int64_t kInt4KernelRows = 16;  // int4_ops.INT4_KERNEL_MAX_ROWS
 at::Tensor int8_any(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale, int64_t max_rows,
                     const c10::optional<at::Tensor>& bias) {
   if (max_rows < 0 || x.size(0) <= kInt8KernelRows) return llp::int8_linear(x, w, scale, bias);
@@ -1329,7 +1328,7 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
     out.group = K / d.size(-1);
     out.half = scale->scalar_type() == at::kHalf;
     out.q8 = q8;
-    if (max_rows >= 0) out.max_m = kInt4KernelRows;
+    if (max_rows >= 0) out.max_m = llp::int4_kernel_max_rows();  // int4_ops' kernel_max_rows
   } else if (w.scalar_type() == at::kChar) {
     if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
         !scale->is_contiguous())
