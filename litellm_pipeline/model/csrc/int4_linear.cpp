@@ -42,6 +42,12 @@
 #else
 #define LLP_Q4_AVX2 0
 #endif
+// the 512-bit int8-activation tile (q8_tile512) and its activation layout (Q8Rows::xq4)
+#if LLP_Q4_AVX512 && defined(__AVX512BW__)
+#define LLP_Q8_512 1
+#else
+#define LLP_Q8_512 0
+#endif
 
 namespace {
 
@@ -311,7 +317,7 @@ void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q) {
       q.dx[m * nb + b] = d;
       q.e[m * nb + b] = d * static_cast<float>(sum);
     }
-#if LLP_Q4_AVX512 && defined(__AVX512BW__)
+#if LLP_Q8_512
   q.xq4.resize(M * K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b + 4 <= nb; b += 4)
@@ -406,8 +412,7 @@ inline void q8_tile(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0) {
     for (int r = 0; r < R; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(q8_hsum8(acc[m][r]) + off[m][r], o + r);
 }
 
-#if LLP_Q4_AVX512 && defined(__AVX512BW__)
-#define LLP_Q8_512 1
+#if LLP_Q8_512
 // 128 weights (four blocks) per step in 512-bit registers. The 64 code bytes of blocks b..b+3 give two registers,
 // their low nibbles (weights 0-15 of each block, one 128-bit quarter per block) and their high ones (weights
 // 16-31): an AND, a shift and an AND. The activations are laid out to match once per call (quantize_q8's xq4: per
@@ -509,7 +514,6 @@ inline void q8_tile512(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0
 }
 #define Q8_TILE q8_tile512
 #else
-#define LLP_Q8_512 0
 #define Q8_TILE q8_tile
 #endif
 
@@ -557,7 +561,6 @@ std::string int4_linear_dot() {
 }
 
 std::string int4_linear_isa() { return LLP_Q4_AVX512 ? "avx512" : LLP_Q4_AVX2 ? "avx2" : "scalar"; }
-int64_t kernel_max_rows() { return llp::int4_kernel_max_rows(); }
 
 void check_q4(const at::Tensor& qw, const at::Tensor& scale, const c10::optional<at::Tensor>& zero, int64_t group,
               int64_t K, const char* name) {
@@ -686,7 +689,7 @@ void llp::int4_prepare(const T* x, int64_t M, int64_t K) {
 }
 void llp::int4_release() { prepared_x = nullptr; }
 int64_t llp::int4_kernel_max_rows() {
-#if defined(LLP_Q8_512) && LLP_Q8_512
+#if LLP_Q8_512
   return 64;  // the 512-bit tile: faster than widening for a GEMM up to 1024 rows measured, 0.2-0.6x its time at 64
 #else
   return 16;  // the 256-bit tiles (AVX2): slower than widening past 16-32 rows
@@ -724,7 +727,7 @@ TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
   m.def("int4_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8) -> Tensor");
   m.def("int4_dequant(Tensor qw, Tensor scale, Tensor? zero, int group, int r0, int r1) -> Tensor");
   m.def("int4_linear_isa", &int4_linear_isa);
-  m.def("int4_kernel_max_rows", &kernel_max_rows);
+  m.def("int4_kernel_max_rows", &llp::int4_kernel_max_rows);
   m.def("int4_linear_dot", &int4_linear_dot);
 }
 
