@@ -26,12 +26,15 @@ error before anything is changed.
 
 ``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``) in the arithmetic
 ``activations`` names, per row in a fixed order, biased and rounded once to ``x``'s dtype, so a row's result does
-not depend on its batch (``engine.deterministic`` runs it at every row count). Steps with more than
-``kernel_max_rows`` rows (prefill; 64 with the AVX-512 build's 512-bit tile, else ``INT4_KERNEL_MAX_ROWS``, 16)
-widen the weights to float32 in blocks of rows and use torch's GEMM with
-the exact activations. The whole-model decode step of ``cpu_fused`` (its C++ ``DecodePlan``) runs the same
-kernel on its threads for steps of up to ``kernel_max_rows`` rows; the per-layer fused paths do not take 4-bit
-weights (those steps run layer by layer through ``linear``). Expert offload (``moe.hot_experts``) is refused.
+not depend on its batch (``engine.deterministic`` runs it at every row count). With int8 activations on the
+AVX-512 build, steps of ``gemm_min_rows`` (16) rows or more (prefill) run the kernel's GEMM, the same integer
+arithmetic with the float32 terms added in another order (the last bits can differ from the same row in a small
+step; never under ``deterministic``). Otherwise steps with more than ``kernel_max_rows`` rows (64 with the
+AVX-512 build's 512-bit tile, else ``INT4_KERNEL_MAX_ROWS``, 16) widen the weights to float32 in blocks of rows
+and use torch's GEMM with the exact activations. The whole-model decode step of ``cpu_fused`` (its C++
+``DecodePlan``) runs the kernel's tiles on its threads for steps of up to ``kernel_max_rows`` rows; the per-layer
+fused paths do not take 4-bit weights (those steps run layer by layer through ``linear``).
+Expert offload (``moe.hot_experts``) is refused.
 
 Accuracy against float32 is measured in ``tests/model/test_int4_ops.py`` and the docs (``docs/quantization.md``).
 """
@@ -127,7 +130,7 @@ class Int4LayerOps(Int8LayerOps):
     QDTYPE = torch.uint8
     STATE = "int4_groups"
     NAME = "cpu_int4"
-    INT8_GEMM = False  # its int8 activations are the kernel's (decode steps); prefill widens the weights
+    INT8_GEMM = False  # its int8 activations are the kernel's (its tiles, or its GEMM for prefill)
 
     def __init__(self, deterministic: bool = False, group_size: int = 32, symmetric: bool = True,
                  scale_dtype: str = "float16", lm_head: bool = False, activations: str = "int8"):
@@ -148,11 +151,15 @@ class Int4LayerOps(Int8LayerOps):
         self._stacked: dict[tuple, torch.Tensor] = {}  # plan_scale's stacked scales and offsets
         self._int4_linear = self._int4_dequant = None
         self.kernel_max_rows = INT4_KERNEL_MAX_ROWS  # steps of more rows widen the weights for torch's GEMM
+        self.gemm_min_rows = 0  # ... unless the build has the int8-activation GEMM (from this many rows on)
         if self._ok:
             ns = torch.ops.litellm_pipeline_cpu
             self._int4_linear = ns.int4_linear.default
             self._int4_dequant = ns.int4_dequant.default
             self.kernel_max_rows = int(ns.int4_kernel_max_rows())
+            # int8 activations from this many rows on: the kernel's GEMM (0: this build has none), faster than
+            # widening at every row count measured (docs/results/2026-12-07-int4-gemm.md)
+            self.gemm_min_rows = int(ns.int4_gemm_min_rows()) if self.int4_q8 else 0
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -221,9 +228,9 @@ class Int4LayerOps(Int8LayerOps):
             and w.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and w.is_contiguous()
-            and (self.deterministic or x.shape[0] <= self.kernel_max_rows)
+            and (self.deterministic or x.shape[0] <= self.kernel_max_rows or 0 < self.gemm_min_rows)
         ):
-            return self._int4_linear(x, w, g.scale, g.zero, g.group, bias, self.int4_q8)
+            return self._int4_linear(x, w, g.scale, g.zero, g.group, bias, self.int4_q8, self.deterministic)
         return self._widened_linear(x, w, g, bias)
 
     def _widened_linear(self, x: torch.Tensor, w: torch.Tensor, g: Int4Groups, bias) -> torch.Tensor:

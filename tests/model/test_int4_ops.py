@@ -325,11 +325,13 @@ def test_expert_offload_is_refused():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_batch_invariance(ns, deterministic):
-    """A row alone and in a batch: the same bits (deterministic: at any row count; else up to the kernel's rows)."""
+    """A row alone and in a batch: the same bits (deterministic: at any row count; else in steps the tiles run:
+    up to the kernel's rows, or short of the GEMM's where the build has one)."""
     ops = Int4LayerOps(deterministic=deterministic, symmetric=False)
     q, gr = ops._quantize(torch.randn(37, 64))
     ops._register(q, gr)
-    assert_batch_invariant(ops, q, torch.randn(37), 64, 40 if deterministic else ops.kernel_max_rows)
+    tiles = ops.gemm_min_rows - 1 if ops.gemm_min_rows else ops.kernel_max_rows
+    assert_batch_invariant(ops, q, torch.randn(37), 64, 40 if deterministic else tiles)
 
 
 def test_deterministic_engine_rows_alone_equal_batched():
@@ -339,15 +341,37 @@ def test_deterministic_engine_rows_alone_equal_batched():
 @pytest.mark.parametrize("activations", ["int8", "float"])
 def test_steps_up_to_the_builds_kernel_rows_run_the_kernel(ns, activations):
     """The 512-bit tile (AVX-512) takes steps of up to 64 rows, the 256-bit and scalar ones 16; a step of more
-    rows widens the weights for torch's GEMM (exact activations)."""
+    rows widens the weights for torch's GEMM (exact activations), except with int8 activations on the 512-bit
+    build, whose own GEMM takes every step from 16 rows on."""
     ops = Int4LayerOps(activations=activations)
     tile512 = ns.int4_linear_isa() == "avx512" and "avx512bw" in cpu_kernels.cpu_flags()
     assert ops.kernel_max_rows == (64 if tile512 else INT4_KERNEL_MAX_ROWS)
+    q8 = activations == "int8"
+    assert ops.gemm_min_rows == (16 if tile512 and q8 else 0)
     q, gr = ops._quantize(torch.randn(24, 96))
     ops._register(q, gr)
-    q8 = activations == "int8"
-    for m in (ops.kernel_max_rows, ops.kernel_max_rows + 1):
+    for m in (ops.kernel_max_rows, ops.kernel_max_rows + 1, 3 * ops.kernel_max_rows):
         x = torch.randn(m, 96)
-        path = ns.int4_linear(x, q, gr.scale, None, 32, None, q8) if m <= ops.kernel_max_rows else \
-            ops._widened_linear(x, q, gr, None)
+        kernel = m <= ops.kernel_max_rows or ops.gemm_min_rows
+        path = ns.int4_linear(x, q, gr.scale, None, 32, None, q8) if kernel else ops._widened_linear(x, q, gr, None)
         assert torch.equal(ops.linear(x, q), path), m
+
+
+def test_gemm_steps_against_the_tiles(ns):
+    """Steps of many rows with int8 activations: the GEMM (where the build has one) sums the same integers as the
+    tiles, so it matches them to float32 rounding, at every row count across its 8/4/2/1-row and 16-weight-row
+    tiles (rows past the last 16 by the tiles); ``invariant`` keeps the tiles, bit for bit a row alone."""
+    g = torch.Generator().manual_seed(3)
+    for (o, k, group, sym) in ((48, 128, 32, True), (37, 256, 128, False), (16, 64, 64, True)):
+        q, gr = quantize_groups(torch.randn(o, k, generator=g), group, sym, torch.float16)
+        for m in (15, 16, 17, 23, 31, 64, 77):
+            x = torch.randn(m, k, generator=g)
+            tiles = ns.int4_linear(x, q, gr.scale, gr.zero, group, None, True, True)
+            fast = ns.int4_linear(x, q, gr.scale, gr.zero, group, None, True, False)
+            ref8, mag, _ = _q8_reference(x, q, gr)
+            tol = (k // 32 + 4) * 2.0**-23 * mag
+            for name, y in (("tiles", tiles), ("gemm", fast)):
+                assert ((y.double() - ref8).abs() <= tol).all(), (name, o, k, m)
+            for i in (0, m // 2, m - 1):
+                alone = ns.int4_linear(x[i : i + 1], q, gr.scale, gr.zero, group, None, True, True)
+                assert torch.equal(tiles[i : i + 1], alone), (o, k, m, i)

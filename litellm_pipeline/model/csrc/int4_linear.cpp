@@ -293,37 +293,45 @@ void q4_rows_vector(const Q4<T, S>& a, int64_t o0, int64_t o1) {
 struct Q8Rows {  // M rows of x quantized: xq [M, K], dx and e = dx * sum(xq) per block [M, K / 32]
   std::vector<int8_t> xq;
   std::vector<float> dx, e;
+  std::vector<int32_t> sum;  // sum(xq) per block [M, K / 32] (the GEMM's symmetric offsets)
   // the 512-bit tile's layout of xq [M, K]: per four blocks, the first 16 codes of each, then the last 16
   std::vector<int8_t> xq4;
 };
 
 template <typename T>
-void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q) {
+void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q, bool tile_layout = true) {
   const int64_t nb = K / 32;
-  q.xq.resize(M * K), q.dx.resize(M * nb), q.e.resize(M * nb);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const T* xb = x + m * K + b * 32;
-      float amax = 0.f;
-      for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* qb = q.xq.data() + m * K + b * 32;
-      int32_t sum = 0;
-      for (int j = 0; j < 32; ++j) {
-        const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * inv));
-        qb[j] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
-        sum += qb[j];
+  q.xq.resize(M * K), q.dx.resize(M * nb), q.e.resize(M * nb), q.sum.resize(M * nb);
+  // rows on the op's threads where there are many (a prompt's rows: as long as a GEMM's share of them)
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        const T* xb = x + m * K + b * 32;
+        float amax = 0.f;
+        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(to_f(xb[j])));
+        const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+        int8_t* qb = q.xq.data() + m * K + b * 32;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) {
+          const int v = static_cast<int>(std::nearbyint(to_f(xb[j]) * inv));
+          qb[j] = static_cast<int8_t>(std::max(-127, std::min(127, v)));
+          sum += qb[j];
+        }
+        q.dx[m * nb + b] = d;
+        q.e[m * nb + b] = d * static_cast<float>(sum);
+        q.sum[m * nb + b] = sum;
       }
-      q.dx[m * nb + b] = d;
-      q.e[m * nb + b] = d * static_cast<float>(sum);
-    }
+  });
 #if LLP_Q8_512
+  if (!tile_layout) return;
   q.xq4.resize(M * K);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b + 4 <= nb; b += 4)
       for (int j = 0; j < 4; ++j)
         for (int h = 0; h < 2; ++h)  // 16 codes of block b + j (its first or its last 16) to quarter j of half h
           std::memcpy(q.xq4.data() + m * K + b * 32 + h * 64 + j * 16, q.xq.data() + m * K + (b + j) * 32 + h * 16, 16);
+#else
+  (void)tile_layout;
 #endif
 }
 
@@ -517,6 +525,130 @@ inline void q8_tile512(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0
 #define Q8_TILE q8_tile
 #endif
 
+#if LLP_Q8_512
+// ------------------------------------------------------------------------------- many input rows: a GEMM
+// Steps of many input rows (prompts) with int8 activations, each int32 lane one weight row: a tile of 16 weight
+// rows is laid out once per call (per block b and 4-weight chunk c, 64 bytes: row r's codes 4c..4c+3 in lane r),
+// so that one vpdpbusd with 4 codes of an input row broadcast sums 16 rows x 4 products. Eight make a block; the
+// block's float work (the integer sum, its -8 sum(xq) offset folded in for symmetric groups, times dx_b, times
+// d_g, added) is then one lane per weight row where the tiles spend four, and each 64 bytes serve up to 8 input
+// rows. The float32 terms are added in another order than the tiles', so the last bits can differ from a step of
+// few rows: steps under int4_gemm_min_rows() (decode, verification) and batch-invariant calls keep the tiles.
+constexpr int64_t kGemmRows = 16;     // weight rows per tile (one per lane)
+constexpr int64_t kGemmMinRows = 16;  // input rows from which the GEMM runs
+
+struct GemmTile {
+  std::vector<int8_t> codes;  // [K / 32][8][16 x 4]
+  std::vector<float> d, z;    // [K / 32][16]: each block's scale (offset) per row
+};
+
+inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));  // see q8_dot
+#endif
+}
+
+// weight rows [o, o + 16) in the GEMM's layout: per block, four rows' 16 bytes to a register, their low and high
+// nibbles (chunks 0-3, 4-7 of each row), then chunk c of all 16 rows gathered by two two-source permutes and a blend
+template <typename T, typename S>
+void gemm_pack(const Q4<T, S>& a, int64_t o, GemmTile& t) {
+  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
+  t.codes.resize(nb * 512), t.d.resize(nb * kGemmRows), t.z.resize(a.z ? nb * kGemmRows : 0);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512i idx[4];
+  for (int c = 0; c < 4; ++c) {  // lane L: row L's dword c, from register L / 4 (lanes 0-7: 0, 1; 8-15: 2, 3)
+    alignas(64) int32_t v[16];
+    for (int L = 0; L < 16; ++L) v[L] = ((L / 4) % 2 ? 16 : 0) + 4 * (L % 4) + c;
+    idx[c] = _mm512_load_si512(v);
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[4], hi[4];
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* p = a.w + (o + 4 * j) * half + b * 16;
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + half)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * half)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * half)), 3);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    int8_t* out = t.codes.data() + b * 512;
+    for (int c = 0; c < 4; ++c) {
+      _mm512_storeu_si512(out + c * 64, _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(lo[0], idx[c], lo[1]),
+                                                                 _mm512_permutex2var_epi32(lo[2], idx[c], lo[3])));
+      _mm512_storeu_si512(out + (4 + c) * 64,
+                          _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(hi[0], idx[c], hi[1]),
+                                                  _mm512_permutex2var_epi32(hi[2], idx[c], hi[3])));
+    }
+  }
+  for (int r = 0; r < kGemmRows; ++r)
+    for (int64_t g = 0; g < ng; ++g) {
+      const float dg = a.scale(o + r, g), zg = a.z ? to_f(a.z[(o + r) * ng + g]) : 0.f;
+      for (int64_t b = g * per; b < (g + 1) * per; ++b) {
+        t.d[b * kGemmRows + r] = dg;
+        if (a.z) t.z[b * kGemmRows + r] = zg;
+      }
+    }
+}
+
+// input rows [m0, m0 + MC) x the tile's 16 weight rows: y = sum_b d_g (dx_b sum_k n_k xq_k - 8 dx_b sum_k xq_k)
+// for symmetric groups (the offset in the integer sum's start), else d_g dx_b sum n xq + z_g e_b
+template <typename T, typename S, int MC>
+inline void q8_gemm_tile(const Q4<T, S>& a, const Q8Rows& q, const GemmTile& t, int64_t o, int64_t m0) {
+  const int64_t nb = a.K / 32;
+  const bool sym = a.z == nullptr;
+  __m512 acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[MC];
+    for (int m = 0; m < MC; ++m)
+      s[m] = sym ? _mm512_set1_epi32(-8 * q.sum[(m0 + m) * nb + b]) : _mm512_setzero_si512();
+    const int8_t* wb = t.codes.data() + b * 512;
+    const int8_t* xb = q.xq.data() + m0 * a.K + b * 32;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_loadu_si512(wb + c * 64);
+#pragma GCC unroll 8
+      for (int m = 0; m < MC; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xb + m * a.K + c * 4, 4);
+        s[m] = dpbusd512(s[m], w, _mm512_set1_epi32(x4));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(t.d.data() + b * kGemmRows);
+    for (int m = 0; m < MC; ++m)
+      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[m]), _mm512_set1_ps(q.dx[(m0 + m) * nb + b])), d,
+                               acc[m]);
+    if (!sym) {
+      const __m512 z = _mm512_loadu_ps(t.z.data() + b * kGemmRows);
+      for (int m = 0; m < MC; ++m) acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(q.e[(m0 + m) * nb + b]), acc[m]);
+    }
+  }
+  for (int m = 0; m < MC; ++m) {
+    alignas(64) float out[kGemmRows];
+    _mm512_store_ps(out, acc[m]);
+    for (int r = 0; r < kGemmRows; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(out[r], o + r);
+  }
+}
+
+// the tiles [t0, t1) of 16 weight rows against every input row, 8 at a time
+template <typename T, typename S>
+void q8_gemm_rows(const Q4<T, S>& a, const Q8Rows& q, int64_t t0, int64_t t1) {
+  thread_local GemmTile t;
+  for (int64_t ti = t0; ti < t1; ++ti) {
+    const int64_t o = ti * kGemmRows;
+    gemm_pack(a, o, t);
+    int64_t m = 0;
+    for (; m + 8 <= a.M; m += 8) q8_gemm_tile<T, S, 8>(a, q, t, o, m);
+    if (m + 4 <= a.M) q8_gemm_tile<T, S, 4>(a, q, t, o, m), m += 4;
+    if (m + 2 <= a.M) q8_gemm_tile<T, S, 2>(a, q, t, o, m), m += 2;
+    if (m < a.M) q8_gemm_tile<T, S, 1>(a, q, t, o, m);
+  }
+}
+#endif
+
 constexpr int kQ8R1 = LLP_Q4_AVX512 ? 8 : 4;  // weight rows per tile for one input row (registers: 32 / 16)
 
 template <typename T, typename S>
@@ -581,7 +713,7 @@ void check_q4(const at::Tensor& qw, const at::Tensor& scale, const c10::optional
 
 at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
                             const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias,
-                            bool q8, bool force_scalar) {
+                            bool q8, bool force_scalar, bool invariant = true) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x must be [M, K], got ", x.sizes());
   const int64_t K = x.size(1);
   check_q4(qw, scale, zero, group, K, "int4_linear");
@@ -605,6 +737,15 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
                        asym ? static_cast<const S*>(zero->data_ptr()) : nullptr,
                        bc.defined() ? bc.data_ptr<T>() : nullptr, y.data_ptr<T>(), M, K, O, group};
       Q8Rows q;
+#if LLP_Q8_512
+      if (q8 && !force_scalar && !invariant && M >= kGemmMinRows && O >= kGemmRows) {  // many rows: the GEMM
+        const int64_t tiles = O / kGemmRows, done = tiles * kGemmRows;
+        quantize_q8<T>(a.x, M, K, q, /*tile_layout=*/done < O);
+        at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) { q8_gemm_rows<T, S>(a, q, b, e); });
+        if (done < O) q4_rows<T, S>(a, &q, done, O, false);
+        return;
+      }
+#endif
       if (q8) quantize_q8<T>(a.x, M, K, q);
       at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
         q4_rows<T, S>(a, q8 ? &q : nullptr, b * 8, std::min(O, e * 8), force_scalar);
@@ -618,10 +759,20 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
   return y;
 }
 
+// invariant: every row's arithmetic the same at any row count (no GEMM: see q8_gemm_tile)
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& zero, int64_t group, const c10::optional<at::Tensor>& bias,
-                       bool q8) {
-  return int4_linear_impl(x, qw, scale, zero, group, bias, q8, false);
+                       bool q8, bool invariant) {
+  return int4_linear_impl(x, qw, scale, zero, group, bias, q8, false, invariant);
+}
+
+// the input rows from which int4_linear runs the GEMM (int8 activations, not invariant); 0: this build has none
+int64_t int4_gemm_min_rows() {
+#if LLP_Q8_512
+  return kGemmMinRows;
+#else
+  return 0;
+#endif
 }
 
 // the scalar loop on any build (what CPUs without AVX2 run): the tests compare it with the vector kernel
@@ -723,11 +874,13 @@ LLP_INT4_ROWS(c10::Half, c10::BFloat16)
 #undef LLP_INT4_ROWS
 
 TORCH_LIBRARY_FRAGMENT(litellm_pipeline_cpu, m) {
-  m.def("int4_linear(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8, "
+        "bool invariant=False) -> Tensor");
   m.def("int4_linear_scalar(Tensor x, Tensor qw, Tensor scale, Tensor? zero, int group, Tensor? bias, bool q8) -> Tensor");
   m.def("int4_dequant(Tensor qw, Tensor scale, Tensor? zero, int group, int r0, int r1) -> Tensor");
   m.def("int4_linear_isa", &int4_linear_isa);
   m.def("int4_kernel_max_rows", &llp::int4_kernel_max_rows);
+  m.def("int4_gemm_min_rows", &int4_gemm_min_rows);
   m.def("int4_linear_dot", &int4_linear_dot);
 }
 
