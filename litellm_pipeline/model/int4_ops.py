@@ -27,12 +27,13 @@ error before anything is changed.
 ``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``) in the arithmetic
 ``activations`` names, per row in a fixed order, biased and rounded once to ``x``'s dtype, so a row's result does
 not depend on its batch (``engine.deterministic`` runs it at every row count). With int8 activations on the
-AVX-512 build, steps of ``gemm_min_rows`` (16) rows or more (prefill) run the kernel's GEMM, the same integer
+AVX-512 and AVX2 builds, steps of ``gemm_min_rows`` (16) rows or more (prefill) run the kernel's GEMM, the same integer
 arithmetic with the float32 terms added in another order (the last bits can differ from the same row in a small
 step; never under ``deterministic``). Otherwise steps with more than ``kernel_max_rows`` rows (64 with the
 AVX-512 build's 512-bit tile, else ``INT4_KERNEL_MAX_ROWS``, 16) widen the weights to float32 in blocks of rows
 and use torch's GEMM with the exact activations. The whole-model decode step of ``cpu_fused`` (its C++
-``DecodePlan``) runs the kernel's tiles on its threads for steps of up to ``kernel_max_rows`` rows; the per-layer
+``DecodePlan``) runs the kernel (tiles, or the GEMM from ``gemm_min_rows``) on its threads for steps of up to
+``kernel_max_rows`` rows; the per-layer
 fused paths do not take 4-bit weights (those steps run layer by layer through ``linear``).
 Expert offload (``moe.hot_experts``) is refused.
 

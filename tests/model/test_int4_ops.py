@@ -241,6 +241,24 @@ def test_whole_model_call_equals_op_by_op(dtype, params, hf_checkpoint):
             assert model.decode_weights["plan"].reason() == "" and model.decode_weights["plan"].has_head()
 
 
+def test_whole_model_steps_of_many_rows_equal_op_by_op(hf_checkpoint):
+    """Decode steps of 16 rows (the most the whole-model call takes on AVX2 builds): the whole-model call runs the
+    kernel's GEMM on each thread's share of the rows (a tile cut by a share computed whole, stored in part), so on
+    two threads its bits are still those of the op-by-op path, whose ``linear`` runs the GEMM over all rows at
+    once."""
+    over = [*INT4, "device.threads=2"]
+    fused = LLM(model=str(hf_checkpoint("llama")), overrides=over)
+    plain = LLM(model=str(hf_checkpoint("llama")), overrides=over)
+    _op_by_op(plain)
+    assert fused.engine.rt.model.ops.gemm_min_rows in (0, 16)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 250, (int(n),), generator=g).tolist() for n in torch.randint(2, 9, (16,), generator=g)]
+    runs = cpu_kernels.ops().decode_team_runs()
+    assert _run(fused, prompts) == _run(plain, prompts)
+    if cpu_kernels.ops().small_linear_supported():
+        assert cpu_kernels.ops().decode_team_runs() > runs
+
+
 def test_weights_are_4bit_after_build():
     fp = build_llm()
     q4 = build_llm(INT4)
@@ -341,13 +359,13 @@ def test_deterministic_engine_rows_alone_equal_batched():
 @pytest.mark.parametrize("activations", ["int8", "float"])
 def test_steps_up_to_the_builds_kernel_rows_run_the_kernel(ns, activations):
     """The 512-bit tile (AVX-512) takes steps of up to 64 rows, the 256-bit and scalar ones 16; a step of more
-    rows widens the weights for torch's GEMM (exact activations), except with int8 activations on the 512-bit
-    build, whose own GEMM takes every step from 16 rows on."""
+    rows widens the weights for torch's GEMM (exact activations), except with int8 activations on the vector
+    builds, whose own GEMM takes every step from 16 rows on."""
     ops = Int4LayerOps(activations=activations)
     tile512 = ns.int4_linear_isa() == "avx512" and "avx512bw" in cpu_kernels.cpu_flags()
     assert ops.kernel_max_rows == (64 if tile512 else INT4_KERNEL_MAX_ROWS)
     q8 = activations == "int8"
-    assert ops.gemm_min_rows == (16 if tile512 and q8 else 0)
+    assert ops.gemm_min_rows == (16 if q8 and ns.int4_linear_isa() != "scalar" else 0)
     q, gr = ops._quantize(torch.randn(24, 96))
     ops._register(q, gr)
     for m in (ops.kernel_max_rows, ops.kernel_max_rows + 1, 3 * ops.kernel_max_rows):
@@ -364,7 +382,7 @@ def test_gemm_steps_against_the_tiles(ns):
     g = torch.Generator().manual_seed(3)
     for (o, k, group, sym) in ((48, 128, 32, True), (37, 256, 128, False), (16, 64, 64, True)):
         q, gr = quantize_groups(torch.randn(o, k, generator=g), group, sym, torch.float16)
-        for m in (15, 16, 17, 23, 31, 64, 77):
+        for m in (15, 16, 23, 24, 25, 31, 64, 77):
             x = torch.randn(m, k, generator=g)
             tiles = ns.int4_linear(x, q, gr.scale, gr.zero, group, None, True, True)
             fast = ns.int4_linear(x, q, gr.scale, gr.zero, group, None, True, False)

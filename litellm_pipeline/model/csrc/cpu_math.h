@@ -120,10 +120,12 @@ void int8_rows(const T* x, const int8_t* w, const float* scale, const T* bias, T
 
 // int4_linear.cpp's rows [o0, o1) of y = x @ W^T (+ bias), W = code * d + z in groups of `group` weights of a row
 // (z null: symmetric, z = -8 d), on the calling thread; S is the scales' dtype (float16 or bfloat16); q8: x's rows
-// quantized to int8 in blocks of 32 first (llama.cpp's Q4_0 x Q8_0 arithmetic)
+// quantized to int8 in blocks of 32 first (llama.cpp's Q4_0 x Q8_0 arithmetic); gemm: with q8, from int4_gemm_min_rows() rows on
+// the rows in O's whole tiles of 16 (AVX2: 8) run the GEMM, each row as int4_linear computes it (not
+// batch-invariant: see int4_linear.cpp)
 template <typename T, typename S>
 void int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t group, const T* bias, T* y, int64_t M,
-               int64_t K, int64_t O, int64_t o0, int64_t o1, bool q8);
+               int64_t K, int64_t O, int64_t o0, int64_t o1, bool q8, bool gemm = false);
 // q8: x's M rows quantized once on this thread for the int4_rows calls that follow with this x (until
 // int4_release; without it each call quantizes x itself)
 template <typename T>

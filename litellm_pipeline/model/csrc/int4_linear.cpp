@@ -14,7 +14,8 @@
 // the tile that computed it, so a row's result is the same alone or in any batch (batch-invariant).
 //
 // AVX-512 (F): tiles of R weight rows x up to 4 input rows, 16 float32 lanes; AVX2 (+FMA, F16C): the same with 8
-// lanes. Threads take runs of 8 output rows (at::parallel_for). Other builds run the scalar loop.
+// lanes. Threads take runs of 8 output rows (at::parallel_for). Other builds run the scalar loop. With int8
+// activations (q8, below) steps of many rows run a GEMM whose int32 lanes are weight rows (q8_gemm_tile).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -299,11 +300,13 @@ struct Q8Rows {  // M rows of x quantized: xq [M, K], dx and e = dx * sum(xq) pe
 };
 
 template <typename T>
-void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q, bool tile_layout = true) {
+void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q, bool tile_layout = true, bool parallel = false) {
   const int64_t nb = K / 32;
   q.xq.resize(M * K), q.dx.resize(M * nb), q.e.resize(M * nb), q.sum.resize(M * nb);
-  // rows on the op's threads where there are many (a prompt's rows: as long as a GEMM's share of them)
-  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+  // parallel (the op, not a thread of the decode step's team): rows on the op's threads where there are many (a
+  // prompt's rows: as long as a GEMM's share of them)
+  const int64_t grain = parallel ? std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)) : std::max<int64_t>(M, 1);
+  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         const T* xb = x + m * K + b * 32;
@@ -525,57 +528,60 @@ inline void q8_tile512(const Q4<T, S>& a, const Q8Rows& q, int64_t o, int64_t m0
 #define Q8_TILE q8_tile
 #endif
 
-#if LLP_Q8_512
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
 // ------------------------------------------------------------------------------- many input rows: a GEMM
-// Steps of many input rows (prompts) with int8 activations, each int32 lane one weight row: a tile of 16 weight
-// rows is laid out once per call (per block b and 4-weight chunk c, 64 bytes: row r's codes 4c..4c+3 in lane r),
-// so that one vpdpbusd with 4 codes of an input row broadcast sums 16 rows x 4 products. Eight make a block; the
-// block's float work (the integer sum, its -8 sum(xq) offset folded in for symmetric groups, times dx_b, times
-// d_g, added) is then one lane per weight row where the tiles spend four, and each 64 bytes serve up to 8 input
-// rows. The float32 terms are added in another order than the tiles', so the last bits can differ from a step of
-// few rows: steps under int4_gemm_min_rows() (decode, verification) and batch-invariant calls keep the tiles.
-constexpr int64_t kGemmRows = 16;     // weight rows per tile (one per lane)
-constexpr int64_t kGemmMinRows = 16;  // input rows from which the GEMM runs
+// Steps of many input rows (prompts) with int8 activations, each int32 lane one weight row: a tile of L weight rows
+// (16 in 512-bit registers, 8 in 256-bit ones) is laid out once per call (per block b and 4-weight chunk c, 4L
+// bytes: row r's codes 4c..4c+3 in lane r), so that one vpdpbusd with 4 codes of an input row broadcast sums L
+// rows x 4 products. Eight make a block; the block's float work (the integer sum, its -8 sum(xq) offset folded in
+// for symmetric groups, times dx_b, times d_g, added) is then one lane per weight row where the tiles spend four,
+// and each chunk's codes serve up to MC input rows. The float32 terms are added in another order than the tiles',
+// so the last bits can differ from a step of few rows: steps under int4_gemm_min_rows() (decode, verification)
+// and batch-invariant calls keep the tiles.
+constexpr int64_t kGemmMinRows = 16;  // input rows from which the GEMM runs (at 8 the decode step ran 0.8x the tiles)
 
-struct GemmTile {
-  std::vector<int8_t> codes;  // [K / 32][8][16 x 4]
-  std::vector<float> d, z;    // [K / 32][16]: each block's scale (offset) per row
-};
-
-inline __m512i dpbusd512(__m512i acc, __m512i u, __m512i s) {
+#if LLP_Q8_512
+struct GemmVec {  // 16 lanes
+  static constexpr int L = 16, MC = 8;
+  using I = __m512i;
+  using F = __m512;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I load(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static I dpbusd(I acc, I u, I s) {
 #if defined(__AVX512VNNI__)
-  return _mm512_dpbusd_epi32(acc, u, s);
+    return _mm512_dpbusd_epi32(acc, u, s);
 #else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));  // see q8_dot
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));  // q8_dot
 #endif
-}
-
-// weight rows [o, o + 16) in the GEMM's layout: per block, four rows' 16 bytes to a register, their low and high
-// nibbles (chunks 0-3, 4-7 of each row), then chunk c of all 16 rows gathered by two two-source permutes and a blend
-template <typename T, typename S>
-void gemm_pack(const Q4<T, S>& a, int64_t o, GemmTile& t) {
-  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
-  t.codes.resize(nb * 512), t.d.resize(nb * kGemmRows), t.z.resize(a.z ? nb * kGemmRows : 0);
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512i idx[4];
-  for (int c = 0; c < 4; ++c) {  // lane L: row L's dword c, from register L / 4 (lanes 0-7: 0, 1; 8-15: 2, 3)
-    alignas(64) int32_t v[16];
-    for (int L = 0; L < 16; ++L) v[L] = ((L / 4) % 2 ? 16 : 0) + 4 * (L % 4) + c;
-    idx[c] = _mm512_load_si512(v);
   }
-  for (int64_t b = 0; b < nb; ++b) {
+  static F zero_f() { return _mm512_setzero_ps(); }
+  static F loadf(const float* p) { return _mm512_loadu_ps(p); }
+  static F scale_add(I s, float dx, F d, F acc) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(dx)), d, acc);
+  }
+  static F fma1(F z, float e, F acc) { return _mm512_fmadd_ps(z, _mm512_set1_ps(e), acc); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  // block b of rows [o, o + 16): four rows' 16 bytes to a register, their low and high nibbles (chunks 0-3, 4-7
+  // of each row), then chunk c of all 16 rows gathered by two two-source permutes and a blend
+  static void pack_block(const uint8_t* p, int64_t half, int8_t* out) {
+    const __m512i idx[4] = {
+        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28),
+        _mm512_setr_epi32(1, 5, 9, 13, 17, 21, 25, 29, 1, 5, 9, 13, 17, 21, 25, 29),
+        _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 2, 6, 10, 14, 18, 22, 26, 30),
+        _mm512_setr_epi32(3, 7, 11, 15, 19, 23, 27, 31, 3, 7, 11, 15, 19, 23, 27, 31)};
+    const __m512i low = _mm512_set1_epi8(0x0F);
     __m512i lo[4], hi[4];
     for (int j = 0; j < 4; ++j) {
-      const uint8_t* p = a.w + (o + 4 * j) * half + b * 16;
-      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + half)), 1);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * half)), 2);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * half)), 3);
+      const uint8_t* q = p + 4 * j * half;
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + half)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * half)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 3 * half)), 3);
       lo[j] = _mm512_and_si512(v, low);
       hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
     }
-    int8_t* out = t.codes.data() + b * 512;
-    for (int c = 0; c < 4; ++c) {
+    for (int c = 0; c < 4; ++c) {  // lane l: row l's dword c, from register l / 4 (lanes 0-7: 0, 1; 8-15: 2, 3)
       _mm512_storeu_si512(out + c * 64, _mm512_mask_blend_epi32(0xFF00, _mm512_permutex2var_epi32(lo[0], idx[c], lo[1]),
                                                                  _mm512_permutex2var_epi32(lo[2], idx[c], lo[3])));
       _mm512_storeu_si512(out + (4 + c) * 64,
@@ -583,68 +589,135 @@ void gemm_pack(const Q4<T, S>& a, int64_t o, GemmTile& t) {
                                                   _mm512_permutex2var_epi32(hi[2], idx[c], hi[3])));
     }
   }
-  for (int r = 0; r < kGemmRows; ++r)
-    for (int64_t g = 0; g < ng; ++g) {
-      const float dg = a.scale(o + r, g), zg = a.z ? to_f(a.z[(o + r) * ng + g]) : 0.f;
-      for (int64_t b = g * per; b < (g + 1) * per; ++b) {
-        t.d[b * kGemmRows + r] = dg;
-        if (a.z) t.z[b * kGemmRows + r] = zg;
-      }
+};
+#else
+struct GemmVec {  // 8 lanes
+  static constexpr int L = 8, MC = 4;
+  using I = __m256i;
+  using F = __m256;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I dpbusd(I acc, I u, I s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));  // q8_dot
+#endif
+  }
+  static F zero_f() { return _mm256_setzero_ps(); }
+  static F loadf(const float* p) { return _mm256_loadu_ps(p); }
+  static F scale_add(I s, float dx, F d, F acc) {
+    return _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(dx)), d, acc);
+  }
+  static F fma1(F z, float e, F acc) { return _mm256_fmadd_ps(z, _mm256_set1_ps(e), acc); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  // block b of rows [o, o + 8): rows i and i + 4 in one register's two halves, their nibbles, then a 4 x 4
+  // transpose of dwords in each half: chunk c of rows 0-3 in the low half and of rows 4-7 in the high one
+  static void pack_block(const uint8_t* p, int64_t half, int8_t* out) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i lo[4], hi[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (i + 4) * half)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * half)));
+      lo[i] = _mm256_and_si256(v, low);
+      hi[i] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i* r = h ? hi : lo;
+      const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+      __m256i* o = reinterpret_cast<__m256i*>(out + h * 4 * 32);
+      _mm256_storeu_si256(o + 0, _mm256_unpacklo_epi64(t0, t2));
+      _mm256_storeu_si256(o + 1, _mm256_unpackhi_epi64(t0, t2));
+      _mm256_storeu_si256(o + 2, _mm256_unpacklo_epi64(t1, t3));
+      _mm256_storeu_si256(o + 3, _mm256_unpackhi_epi64(t1, t3));
+    }
+  }
+};
+#endif
+constexpr int64_t kGemmRows = GemmVec::L;  // weight rows per tile (one per lane)
+
+struct GemmTile {
+  std::vector<int8_t> codes;  // [K / 32][8][L x 4]
+  std::vector<float> d, z;    // [K / 32][L]: each block's scale (offset) per row
+  std::vector<float> row;     // one row's scales widened
+};
+
+// weight rows [o, o + L) in the GEMM's layout, with each block's scale (and offset) per row
+template <typename T, typename S>
+void gemm_pack(const Q4<T, S>& a, int64_t o, GemmTile& t) {
+  constexpr int64_t L = kGemmRows;
+  const int64_t nb = a.K / 32, per = a.G / 32, half = a.K / 2, ng = a.groups();
+  t.codes.resize(nb * 32 * L), t.d.resize(nb * L), t.z.resize(a.z ? nb * L : 0);
+  for (int64_t b = 0; b < nb; ++b) GemmVec::pack_block(a.w + o * half + b * 16, half, t.codes.data() + b * 32 * L);
+  t.row.resize(ng);
+  for (int64_t r = 0; r < L; ++r)  // each row's scales widened 8 at a time (F16C / a shift), then spread per block
+    for (int which = 0; which < (a.z ? 2 : 1); ++which) {
+      widen((which ? a.z : a.d) + (o + r) * ng, t.row.data(), ng);
+      float* to = which ? t.z.data() : t.d.data();
+      for (int64_t g = 0; g < ng; ++g)
+        for (int64_t b = g * per; b < (g + 1) * per; ++b) to[b * L + r] = t.row[g];
     }
 }
 
-// input rows [m0, m0 + MC) x the tile's 16 weight rows: y = sum_b d_g (dx_b sum_k n_k xq_k - 8 dx_b sum_k xq_k)
+// input rows [m0, m0 + MC) x the tile's L weight rows: y = sum_b d_g (dx_b sum_k n_k xq_k - 8 dx_b sum_k xq_k)
 // for symmetric groups (the offset in the integer sum's start), else d_g dx_b sum n xq + z_g e_b
 template <typename T, typename S, int MC>
-inline void q8_gemm_tile(const Q4<T, S>& a, const Q8Rows& q, const GemmTile& t, int64_t o, int64_t m0) {
+inline void q8_gemm_tile(const Q4<T, S>& a, const Q8Rows& q, const GemmTile& t, int64_t o, int64_t m0, int64_t r0,
+                         int64_t r1) {
+  using V = GemmVec;
+  constexpr int64_t L = kGemmRows;
   const int64_t nb = a.K / 32;
   const bool sym = a.z == nullptr;
-  __m512 acc[MC];
-  for (int m = 0; m < MC; ++m) acc[m] = _mm512_setzero_ps();
+  typename V::F acc[MC];
+  for (int m = 0; m < MC; ++m) acc[m] = V::zero_f();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i s[MC];
-    for (int m = 0; m < MC; ++m)
-      s[m] = sym ? _mm512_set1_epi32(-8 * q.sum[(m0 + m) * nb + b]) : _mm512_setzero_si512();
-    const int8_t* wb = t.codes.data() + b * 512;
+    typename V::I s[MC];
+    for (int m = 0; m < MC; ++m) s[m] = sym ? V::set1(-8 * q.sum[(m0 + m) * nb + b]) : V::zero();
+    const int8_t* wb = t.codes.data() + b * 32 * L;
     const int8_t* xb = q.xq.data() + m0 * a.K + b * 32;
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m512i w = _mm512_loadu_si512(wb + c * 64);
+      const typename V::I w = V::load(wb + c * 4 * L);
 #pragma GCC unroll 8
       for (int m = 0; m < MC; ++m) {
         int32_t x4;
         std::memcpy(&x4, xb + m * a.K + c * 4, 4);
-        s[m] = dpbusd512(s[m], w, _mm512_set1_epi32(x4));
+        s[m] = V::dpbusd(s[m], w, V::set1(x4));
       }
     }
-    const __m512 d = _mm512_loadu_ps(t.d.data() + b * kGemmRows);
-    for (int m = 0; m < MC; ++m)
-      acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[m]), _mm512_set1_ps(q.dx[(m0 + m) * nb + b])), d,
-                               acc[m]);
+    const typename V::F d = V::loadf(t.d.data() + b * L);
+    for (int m = 0; m < MC; ++m) acc[m] = V::scale_add(s[m], q.dx[(m0 + m) * nb + b], d, acc[m]);
     if (!sym) {
-      const __m512 z = _mm512_loadu_ps(t.z.data() + b * kGemmRows);
-      for (int m = 0; m < MC; ++m) acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(q.e[(m0 + m) * nb + b]), acc[m]);
+      const typename V::F z = V::loadf(t.z.data() + b * L);
+      for (int m = 0; m < MC; ++m) acc[m] = V::fma1(z, q.e[(m0 + m) * nb + b], acc[m]);
     }
   }
   for (int m = 0; m < MC; ++m) {
-    alignas(64) float out[kGemmRows];
-    _mm512_store_ps(out, acc[m]);
-    for (int r = 0; r < kGemmRows; ++r) a.y[(m0 + m) * a.O + o + r] = a.finish(out[r], o + r);
+    float out[L];
+    V::store(out, acc[m]);
+    for (int64_t r = std::max<int64_t>(0, r0 - o); r < std::min<int64_t>(L, r1 - o); ++r)
+      a.y[(m0 + m) * a.O + o + r] = a.finish(out[r], o + r);
   }
 }
 
-// the tiles [t0, t1) of 16 weight rows against every input row, 8 at a time
+// output rows [r0, r1) by the GEMM: the tiles of L weight rows that hold them (whole tiles only: r1 <= O / L * L),
+// against every input row, MC at a time (then halves of it); a tile's rows outside [r0, r1) are not stored, so
+// every row comes out the same whichever call or thread's range it fell in
 template <typename T, typename S>
-void q8_gemm_rows(const Q4<T, S>& a, const Q8Rows& q, int64_t t0, int64_t t1) {
+void q8_gemm_rows(const Q4<T, S>& a, const Q8Rows& q, int64_t r0, int64_t r1) {
+  constexpr int MC = GemmVec::MC;
   thread_local GemmTile t;
-  for (int64_t ti = t0; ti < t1; ++ti) {
-    const int64_t o = ti * kGemmRows;
+  for (int64_t o = r0 / kGemmRows * kGemmRows; o < r1; o += kGemmRows) {
     gemm_pack(a, o, t);
     int64_t m = 0;
-    for (; m + 8 <= a.M; m += 8) q8_gemm_tile<T, S, 8>(a, q, t, o, m);
-    if (m + 4 <= a.M) q8_gemm_tile<T, S, 4>(a, q, t, o, m), m += 4;
-    if (m + 2 <= a.M) q8_gemm_tile<T, S, 2>(a, q, t, o, m), m += 2;
-    if (m < a.M) q8_gemm_tile<T, S, 1>(a, q, t, o, m);
+    for (; m + MC <= a.M; m += MC) q8_gemm_tile<T, S, MC>(a, q, t, o, m, r0, r1);
+    if (MC > 4 && m + 4 <= a.M) q8_gemm_tile<T, S, (MC > 4 ? 4 : 1)>(a, q, t, o, m, r0, r1), m += 4;
+    if (m + 2 <= a.M) q8_gemm_tile<T, S, 2>(a, q, t, o, m, r0, r1), m += 2;
+    if (m < a.M) q8_gemm_tile<T, S, 1>(a, q, t, o, m, r0, r1);
   }
 }
 #endif
@@ -737,16 +810,18 @@ at::Tensor int4_linear_impl(const at::Tensor& x, const at::Tensor& qw, const at:
                        asym ? static_cast<const S*>(zero->data_ptr()) : nullptr,
                        bc.defined() ? bc.data_ptr<T>() : nullptr, y.data_ptr<T>(), M, K, O, group};
       Q8Rows q;
-#if LLP_Q8_512
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
       if (q8 && !force_scalar && !invariant && M >= kGemmMinRows && O >= kGemmRows) {  // many rows: the GEMM
         const int64_t tiles = O / kGemmRows, done = tiles * kGemmRows;
-        quantize_q8<T>(a.x, M, K, q, /*tile_layout=*/done < O);
-        at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) { q8_gemm_rows<T, S>(a, q, b, e); });
+        quantize_q8<T>(a.x, M, K, q, /*tile_layout=*/done < O, /*parallel=*/true);
+        at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+          q8_gemm_rows<T, S>(a, q, b * kGemmRows, e * kGemmRows);
+        });
         if (done < O) q4_rows<T, S>(a, &q, done, O, false);
         return;
       }
 #endif
-      if (q8) quantize_q8<T>(a.x, M, K, q);
+      if (q8) quantize_q8<T>(a.x, M, K, q, true, /*parallel=*/true);
       at::parallel_for(0, (O + 7) / 8, grain, [&](int64_t b, int64_t e) {
         q4_rows<T, S>(a, q8 ? &q : nullptr, b * 8, std::min(O, e * 8), force_scalar);
       });
@@ -768,7 +843,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& qw, const at::Tens
 
 // the input rows from which int4_linear runs the GEMM (int8 activations, not invariant); 0: this build has none
 int64_t int4_gemm_min_rows() {
-#if LLP_Q8_512
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
   return kGemmMinRows;
 #else
   return 0;
@@ -852,19 +927,30 @@ template void llp::int4_prepare<c10::Half>(const c10::Half*, int64_t, int64_t);
 
 template <typename T, typename S>
 void llp::int4_rows(const T* x, const uint8_t* w, const S* d, const S* z, int64_t group, const T* bias, T* y,
-                    int64_t M, int64_t K, int64_t O, int64_t o0, int64_t o1, bool q8) {
+                    int64_t M, int64_t K, int64_t O, int64_t o0, int64_t o1, bool q8, bool gemm) {
   const Q4<T, S> a{x, w, d, z, bias, y, M, K, O, group};
   if (!q8) return q4_rows<T, S>(a, nullptr, o0, o1, false);
+  const Q8Rows* q = &prepared;
   if (prepared_x != x || prepared_m != M || prepared_k != K) {  // not prepared: quantized for this call alone
-    thread_local Q8Rows q;
-    quantize_q8<T>(x, M, K, q);
-    return q4_rows<T, S>(a, &q, o0, o1, false);
+    thread_local Q8Rows mine;
+    quantize_q8<T>(x, M, K, mine);
+    q = &mine;
   }
-  q4_rows<T, S>(a, &prepared, o0, o1, false);
+#if LLP_Q4_AVX512 || LLP_Q4_AVX2
+  // rows in whole tiles of O by the GEMM, the last O % L by the tiles: each row as int4_linear computes it
+  const int64_t done = std::min(o1, O / kGemmRows * kGemmRows);
+  if (gemm && M >= kGemmMinRows && O >= kGemmRows && o0 < done) {
+    q8_gemm_rows<T, S>(a, *q, o0, done);
+    return q4_rows<T, S>(a, q, done, o1, false);
+  }
+#else
+  (void)gemm;
+#endif
+  q4_rows<T, S>(a, q, o0, o1, false);
 }
 #define LLP_INT4_ROWS(T, S)                                                                                          \
   template void llp::int4_rows<T, S>(const T*, const uint8_t*, const S*, const S*, int64_t, const T*, T*, int64_t, \
-                                     int64_t, int64_t, int64_t, int64_t, bool);
+                                     int64_t, int64_t, int64_t, int64_t, bool, bool);
 LLP_INT4_ROWS(float, c10::Half)
 LLP_INT4_ROWS(float, c10::BFloat16)
 LLP_INT4_ROWS(c10::BFloat16, c10::Half)

@@ -958,6 +958,7 @@ struct TeamLinear {
   int64_t group = 0;
   bool half = false;
   bool q8 = false;  // 4-bit weights against int8 activations (int4_linear.cpp's q8 arithmetic)
+  bool gemm = false;  // ... and its GEMM for steps of many rows (not in a batch-invariant plan)
   int64_t max_m = std::numeric_limits<int64_t>::max();  // the most input rows its kernel takes in the team
 };
 
@@ -1092,11 +1093,11 @@ inline void team_linear(const T* x, const TeamLinear& l, T* y, int64_t M, int64_
     const uint8_t* w = static_cast<const uint8_t*>(l.w);
     if (l.half)
       llp::int4_rows<T, c10::Half>(x, w, static_cast<const c10::Half*>(l.q4_d), static_cast<const c10::Half*>(l.q4_z),
-                                   l.group, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8);
+                                   l.group, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8, l.gemm);
     else
       llp::int4_rows<T, c10::BFloat16>(x, w, static_cast<const c10::BFloat16*>(l.q4_d),
                                        static_cast<const c10::BFloat16*>(l.q4_z), l.group,
-                                       static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8);
+                                       static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1, l.q8, l.gemm);
   } else if (l.scale)
     llp::int8_rows<T>(x, static_cast<const int8_t*>(l.w), l.scale, static_cast<const T*>(l.bias), y, M, l.K, l.O, o0, o1);
   else
@@ -1328,6 +1329,7 @@ bool team_linear_of(const at::Tensor& w, const c10::optional<at::Tensor>& scale,
     out.group = K / d.size(-1);
     out.half = scale->scalar_type() == at::kHalf;
     out.q8 = q8;
+    out.gemm = q8 && max_rows >= 0;  // max_rows < 0: the batch-invariant plan
     if (max_rows >= 0) out.max_m = llp::int4_kernel_max_rows();  // int4_ops' kernel_max_rows
   } else if (w.scalar_type() == at::kChar) {
     if (!scale.has_value() || !scale->defined() || scale->scalar_type() != at::kFloat || scale->numel() != E * O ||
