@@ -303,10 +303,7 @@ template <typename T>
 void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q, bool tile_layout = true, bool parallel = false) {
   const int64_t nb = K / 32;
   q.xq.resize(M * K), q.dx.resize(M * nb), q.e.resize(M * nb), q.sum.resize(M * nb);
-  // parallel (the op, not a thread of the decode step's team): rows on the op's threads where there are many (a
-  // prompt's rows: as long as a GEMM's share of them)
-  const int64_t grain = parallel ? std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)) : std::max<int64_t>(M, 1);
-  at::parallel_for(0, M, grain, [&](int64_t m0, int64_t m1) {
+  auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         const T* xb = x + m * K + b * 32;
@@ -324,7 +321,13 @@ void quantize_q8(const T* x, int64_t M, int64_t K, Q8Rows& q, bool tile_layout =
         q.e[m * nb + b] = d * static_cast<float>(sum);
         q.sum[m * nb + b] = sum;
       }
-  });
+  };
+  // parallel (the op, not a thread of the decode step's team): rows on the op's threads where there are many (a
+  // prompt's rows: as long as a GEMM's share of them)
+  if (parallel)
+    at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), rows);
+  else
+    rows(0, M);
 #if LLP_Q8_512
   if (!tile_layout) return;
   q.xq4.resize(M * K);
