@@ -27,15 +27,14 @@ error before anything is changed.
 ``linear(x, w)`` with a packed ``w`` runs ``int4_linear`` (``csrc/int4_linear.cpp``) in the arithmetic
 ``activations`` names, per row in a fixed order, biased and rounded once to ``x``'s dtype, so a row's result does
 not depend on its batch (``engine.deterministic`` runs it at every row count). With int8 activations on the
-AVX-512 and AVX2 builds, steps of ``gemm_min_rows`` (16) rows or more (prefill) run the kernel's GEMM, the same integer
-arithmetic with the float32 terms added in another order (the last bits can differ from the same row in a small
-step; never under ``deterministic``). Otherwise steps with more than ``kernel_max_rows`` rows (64 with the
+AVX-512 and AVX2 builds, steps of ``gemm_min_rows`` (16) rows or more (prefill) run the kernel's GEMM, the same
+integer arithmetic with the float32 terms added in another order (the last bits can differ from the same row in a
+small step; never under ``deterministic``). Otherwise steps with more than ``kernel_max_rows`` rows (64 with the
 AVX-512 build's 512-bit tile, else ``INT4_KERNEL_MAX_ROWS``, 16) widen the weights to float32 in blocks of rows
 and use torch's GEMM with the exact activations. The whole-model decode step of ``cpu_fused`` (its C++
 ``DecodePlan``) runs the kernel (tiles, or the GEMM from ``gemm_min_rows``) on its threads for steps of up to
-``kernel_max_rows`` rows; the per-layer
-fused paths do not take 4-bit weights (those steps run layer by layer through ``linear``).
-Expert offload (``moe.hot_experts``) is refused.
+``kernel_max_rows`` rows; the per-layer fused paths do not take 4-bit weights (those steps run layer by layer
+through ``linear``). Expert offload (``moe.hot_experts``) is refused.
 
 Accuracy against float32 is measured in ``tests/model/test_int4_ops.py`` and the docs (``docs/quantization.md``).
 """
@@ -229,7 +228,7 @@ class Int4LayerOps(Int8LayerOps):
             and w.is_cpu
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and w.is_contiguous()
-            and (self.deterministic or x.shape[0] <= self.kernel_max_rows or 0 < self.gemm_min_rows)
+            and (self.deterministic or x.shape[0] <= self.kernel_max_rows or self.gemm_min_rows > 0)
         ):
             return self._int4_linear(x, w, g.scale, g.zero, g.group, bias, self.int4_q8, self.deterministic)
         return self._widened_linear(x, w, g, bias)

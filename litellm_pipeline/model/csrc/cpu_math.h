@@ -120,7 +120,7 @@ void int8_rows(const T* x, const int8_t* w, const float* scale, const T* bias, T
 
 // int4_linear.cpp's rows [o0, o1) of y = x @ W^T (+ bias), W = code * d + z in groups of `group` weights of a row
 // (z null: symmetric, z = -8 d), on the calling thread; S is the scales' dtype (float16 or bfloat16); q8: x's rows
-// quantized to int8 in blocks of 32 first (llama.cpp's Q4_0 x Q8_0 arithmetic); gemm: with q8, from int4_gemm_min_rows() rows on
+// quantized to int8 in blocks of 32 first (llama.cpp's Q4_0 x Q8_0 arithmetic); gemm: with q8, from 16 rows on
 // the rows in O's whole tiles of 16 (AVX2: 8) run the GEMM, each row as int4_linear computes it (not
 // batch-invariant: see int4_linear.cpp)
 template <typename T, typename S>
