@@ -148,6 +148,7 @@ class EngineSection(_Section):
 
 class CacheSection(_Section):
     block_size: int = Field(default=16, ge=1, le=1024)
+    dtype: str | None = None  # the K/V's dtype (null: device.dtype); float16 / bfloat16 under float32 weights
     num_blocks: int | None = Field(default=None, ge=1)
     memory_gb: float = Field(default=2.0, gt=0)
     enable_prefix_caching: bool = True

@@ -48,6 +48,32 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.T
     return out.view(*slots.shape, *cache.shape[1:])
 
 
+def kv_cache_supported(act: torch.dtype, cache: torch.dtype) -> bool:
+    """The KV cache dtypes the kernels read (as csrc/cpu_math.h's ``kv_cache_supported``): the activations' own, or
+    float16 / bfloat16 under float32 activations."""
+    return cache == act or (act == torch.float32 and cache in (torch.float16, torch.bfloat16))
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """The step's new K/V rows into their slots, rounded to the caches' dtype where it is narrower
+    (``cache.dtype``)."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, slots: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``gather_slots`` widened to the queries' ``dtype`` when the cache holds a narrower one."""
+    out = gather_slots(cache, slots, name)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``x`` as attention reads it back from ``cache``: rounded to a narrower cache's dtype, so every path (this
+    one, the gathers, the kernels) attends over the same values."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
+
+
 def _prefill_mask(q_len: int, ctx_len: int, window: int | None, dtype, device) -> torch.Tensor | None:
     """Causal mask of a chunk whose first query sits at position ctx_len - q_len; None when plain causal works."""
     if q_len == ctx_len and window is None:
@@ -78,11 +104,11 @@ def sdpa_prefill_chunk(
     """
     qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
     if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
-        ks = k[s.q_start : s.q_start + s.q_len].transpose(0, 1)
-        vs = v[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+        ks = _as_cached(k[s.q_start : s.q_start + s.q_len], k_cache).transpose(0, 1)
+        vs = _as_cached(v[s.q_start : s.q_start + s.q_len], v_cache).transpose(0, 1)
     else:
-        ks = gather_slots(k_cache, s.kv_slots, "k").transpose(0, 1)
-        vs = gather_slots(v_cache, s.kv_slots, "v").transpose(0, 1)
+        ks = gather_context(k_cache, s.kv_slots, "k", q.dtype).transpose(0, 1)
+        vs = gather_context(v_cache, s.kv_slots, "v", q.dtype).transpose(0, 1)
     mask = _prefill_mask(s.q_len, s.ctx_len, window, q.dtype, q.device)
     o = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -94,8 +120,7 @@ def sdpa_prefill_chunk(
 def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          meta: AttentionMetadata, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Reference implementation: torch SDPA per prefill sequence, one padded SDPA for all decode tokens."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     out = torch.empty_like(q)
     gqa = q.shape[1] != k.shape[1]
     for s in meta.prefills:
@@ -103,8 +128,8 @@ def sdpa_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_ca
     if meta.decode_rows is not None:
         rows = meta.decode_rows
         qd = q[rows].unsqueeze(2)  # [B, Hq, 1, D]
-        kd = gather_slots(k_cache, meta.decode_kv_slots, "k").transpose(1, 2)  # [B, Hk, L, D]
-        vd = gather_slots(v_cache, meta.decode_kv_slots, "v").transpose(1, 2)
+        kd = gather_context(k_cache, meta.decode_kv_slots, "k", q.dtype).transpose(1, 2)  # [B, Hk, L, D]
+        vd = gather_context(v_cache, meta.decode_kv_slots, "v", q.dtype).transpose(1, 2)
         mask = meta.decode_mask(sliding_window, q.dtype)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[rows] = o.squeeze(2)

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from litellm_pipeline.model import cpu_kernels
-from litellm_pipeline.model.attention import sdpa_paged_attention, sdpa_prefill_chunk
+from litellm_pipeline.model.attention import sdpa_paged_attention, sdpa_prefill_chunk, write_kv, kv_cache_supported
 from litellm_pipeline.registry import register
 from litellm_pipeline.registry.types import AttentionMetadata
 
@@ -70,7 +70,7 @@ def kernel_error() -> str | None:
 def _unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
     if not q.is_cpu:
         return f"inputs on {q.device.type}, the kernel is CPU-only"
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if q.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype or not kv_cache_supported(q.dtype, k_cache.dtype):
         return f"dtypes q={q.dtype} cache={k_cache.dtype} not supported"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return "non-contiguous KV cache"
@@ -88,8 +88,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     op = _op if _op is not None else kernel()
     if op is None:
         return sdpa_paged_attention(q, k, v, k_cache, v_cache, meta, scale, sliding_window)
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     if q.stride(2) != 1:
         q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from litellm_pipeline.errors import ConfigError
 from litellm_pipeline.model import cpu_kernels
+from litellm_pipeline.model.attention import kv_cache_supported
 from litellm_pipeline.model.moe import route_tokens
 from litellm_pipeline.model.rope import apply_rotary
 from litellm_pipeline.registry import register
@@ -233,7 +234,8 @@ class CpuFusedLayerOps(TorchLayerOps):
         inputs are outside what the kernels take, and the layer then runs op by op.
         """
         attn = layer.self_attn
-        if not (self._fits(h) and cos.dtype == h.dtype and k_cache.dtype == h.dtype and k_cache.is_contiguous()
+        if not (self._fits(h) and cos.dtype == h.dtype and kv_cache_supported(h.dtype, k_cache.dtype)
+                and v_cache.dtype == k_cache.dtype and k_cache.is_contiguous()
                 and self._takes(attn.qkv_proj, h) and self._takes(attn.o_proj, h)):
             return None
         qn, kn = attn.q_norm, attn.k_norm
@@ -321,7 +323,7 @@ class CpuFusedLayerOps(TorchLayerOps):
             contiguous = all(k.is_contiguous() for k in w["k_caches"])
             w["cache_dtype"] = dtypes.pop() if len(dtypes) == 1 and contiguous else None
             w.pop("plan", None)
-        if w["cache_dtype"] != h.dtype:
+        if w["cache_dtype"] is None or not kv_cache_supported(h.dtype, w["cache_dtype"]):
             return None
         if "scales" not in w:  # quantized weights: their scales per list (empty lists for float weights)
             w["scales"] = self._scale_lists(w, h)

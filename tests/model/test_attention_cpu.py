@@ -96,6 +96,48 @@ def test_kernel_prefill_any_length(kernel, monkeypatch, window):
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
 
 
+def _narrow_caches(step, kv):
+    q, k, v, k_cache, v_cache, meta = step
+    return q, k, v, k_cache.to(kv), v_cache.to(kv), meta
+
+
+@pytest.mark.parametrize("kv", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+@pytest.mark.parametrize("d", [64, 32])  # 64: the 16-bit vector path
+def test_16bit_cache_under_float32_queries_matches_sdpa(kernel, kv, window, d):
+    """cache.dtype float16 / bfloat16 under a float32 model: both write the new K/V rounded to the cache's dtype
+    and attend in float32 over the rounded values (decode rows and prefill chunks on the kernel and on SDPA)."""
+    step = make_step([2, 64, 31, 100], [(12, 12), (5, 40), (30, 50)], 8, 2, d, torch.float32, seed=d)
+    q, k, v, k_cache, v_cache, meta = _narrow_caches(step, kv)
+    kc1, vc1, kc2, vc2 = k_cache.clone(), v_cache.clone(), k_cache.clone(), v_cache.clone()
+    scale = d ** -0.5
+    ref = sdpa_paged_attention(q, k, v, kc1, vc1, meta, scale, window)
+    out = attention_cpu.cpu_paged_attention(q, k, v, kc2, vc2, meta, scale, window)
+    assert out.dtype == torch.float32 and kc2.dtype == kv
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert torch.equal(kc2[meta.slot_mapping], k.to(kv)) and torch.equal(vc2[meta.slot_mapping], v.to(kv))
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+    # float32 caches holding the rounded values give the same result; the unrounded ones another
+    rounded = attention_cpu.cpu_paged_attention(q, k.to(kv).float(), v.to(kv).float(), kc2.float(), vc2.float(),
+                                                meta, scale, window)
+    torch.testing.assert_close(rounded, out, **TOL[torch.float32])
+    exact = attention_cpu.cpu_paged_attention(*step[:3], step[3].clone(), step[4].clone(), meta, scale, window)
+    assert (exact - out).abs().max() > 1e-4
+
+
+def test_a_cache_the_kernel_does_not_read_is_refused_by_name(kernel):
+    """The op takes the queries' dtype or a 16-bit cache under float32 queries; anything else names both."""
+    q, k, v, k_cache, v_cache, meta = make_step([4, 9], [], 4, 2, 32, torch.bfloat16)
+    out = torch.empty_like(q)
+    rows, slots, lens = meta.decode_rows, meta.decode_kv_slots.contiguous(), meta.decode_ctx_lens
+    with pytest.raises(RuntimeError, match="Half cache with BFloat16 queries is not supported"):
+        kernel(out, q, k_cache.half(), v_cache.half(), rows, slots, lens, 1, 0.1, 0)
+    with pytest.raises(RuntimeError, match="Float cache with BFloat16 queries is not supported"):
+        kernel(out, q, k_cache.float(), v_cache.float(), rows, slots, lens, 1, 0.1, 0)
+    assert not attention_cpu.kv_cache_supported(torch.bfloat16, torch.float16)
+    assert attention_cpu.kv_cache_supported(torch.float32, torch.bfloat16)
+
+
 def test_bad_slot_raises_instead_of_reading_out_of_bounds(kernel):
     q, k, v, k_cache, v_cache, meta = make_step([10, 20], [], 4, 2, 32, torch.float32)
     meta.decode_kv_slots[1, 3] = k_cache.shape[0] + 5

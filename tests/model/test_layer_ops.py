@@ -304,10 +304,10 @@ def test_fused_decode_only_with_the_paged_kernel_and_fused_dispatch(hf_checkpoin
 
 
 def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, window=0, layers=2, seed=0,
-                 experts=0, limits=False):
+                 experts=0, limits=False, kv=None):
     """Random layers (dense, or MoE blocks of ``experts`` experts routing 2 per token; ``limits``: per-token
-    top-k and allowed experts as TierSets give them), a paged cache with some context per sequence, and
-    decode_layers' arguments."""
+    top-k and allowed experts as TierSets give them), a paged cache with some context per sequence (of dtype
+    ``kv``, default ``dtype``: cache.dtype), and decode_layers' arguments."""
     from litellm_pipeline.model.int8_ops import quantize_rows
 
     g = torch.Generator().manual_seed(seed)
@@ -336,8 +336,8 @@ def _decode_step(dtype, rows, hq, hk, *, int8=False, bias=False, qk_norm=False, 
         if qk_norm:
             per["q_norm"].append(1 + rnd(D, s=0.1))
             per["k_norm"].append(1 + rnd(D, s=0.1))
-        per["kc"].append(rnd(slots_n, hk, D, s=1.0))
-        per["vc"].append(rnd(slots_n, hk, D, s=1.0))
+        per["kc"].append(rnd(slots_n, hk, D, s=1.0).to(kv or dtype))
+        per["vc"].append(rnd(slots_n, hk, D, s=1.0).to(kv or dtype))
         if experts:
             per["router"].append(rnd(experts, H, s=1.0))
     ctx = [5 + 9 * i for i in range(rows)]
@@ -380,13 +380,16 @@ def _run_decode_layers(args, team):
      dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, int8=True), dict(dtype=torch.float32, rows=1, hq=2, hk=2, int8=True),
      dict(dtype=torch.float32, rows=1, hq=4, hk=2, experts=4), dict(dtype=torch.bfloat16, rows=3, hq=4, hk=2, experts=5),
      dict(dtype=torch.float16, rows=4, hq=4, hk=1, experts=4, limits=True),
-     dict(dtype=torch.float32, rows=3, hq=4, hk=2, experts=4, int8=True, limits=True)],
+     dict(dtype=torch.float32, rows=3, hq=4, hk=2, experts=4, int8=True, limits=True),
+     dict(dtype=torch.float32, rows=3, hq=4, hk=2, kv=torch.float16),
+     dict(dtype=torch.float32, rows=2, hq=4, hk=1, experts=4, window=6, kv=torch.bfloat16)],
     ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()).replace("torch.", ""),
 )
 def test_decode_layers_in_one_parallel_region_is_bit_identical(team, case, threads):
     """The one-region decode (each thread its share of every projection and of the kv heads, spin barriers
     between) gives the op-by-op calls' hidden states and K/V caches bit for bit, for 1-3 threads, fewer kv heads
-    than threads, bias, q/k norm, a sliding window, int8 weights, and MoE blocks with and without TierSet limits."""
+    than threads, bias, q/k norm, a sliding window, int8 weights, MoE blocks with and without TierSet limits, and
+    float16 / bfloat16 caches under float32 activations (the K/V rounded as index_copy_ of ``k.to(cache)`` does)."""
     args = _decode_step(**case)
     before, runs = torch.get_num_threads(), torch.ops.litellm_pipeline_cpu.decode_team_runs()
     try:

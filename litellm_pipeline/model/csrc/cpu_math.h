@@ -135,6 +135,32 @@ void int4_release();
 // tile, else 16 (measured: docs/results/2026-12-07-avx512-streaming.md)
 int64_t int4_kernel_max_rows();
 
+// The KV caches the kernels take: the activations' dtype, or float16 / bfloat16 under float32 activations (half
+// the bytes a decode step streams per cached token; attention still runs in float32)
+inline bool kv_cache_supported(at::ScalarType act, at::ScalarType cache) {
+  return cache == act || (act == at::kFloat && (cache == at::kHalf || cache == at::kBFloat16));
+}
+// n values from src into a cache of dtype `cache` at element offset `at` (rounded to nearest even when it is
+// narrower: what at::Tensor::to and index_copy_ of the converted rows give)
+template <typename T>
+inline void store_kv(void* cache, at::ScalarType cache_type, int64_t at, const T* src, int64_t n) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (cache_type == at::kHalf) {
+      c10::Half* d = static_cast<c10::Half*>(cache) + at;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) d[i] = half_from_f(src[i]);
+      return;
+    }
+    if (cache_type == at::kBFloat16) {
+      c10::BFloat16* d = static_cast<c10::BFloat16*>(cache) + at;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) d[i] = bf16_from_f(src[i]);
+      return;
+    }
+  }
+  std::memcpy(static_cast<T*>(cache) + at, src, sizeof(T) * n);
+}
+
 // paged_attention.cpp: its argument checks, and kv heads [h0, h1) of the queries of sequences [s0, s1) on the
 // calling thread
 void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -882,8 +882,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_block(
     k = rms_norm(k, *k_norm_w, qk_eps);
   }
   rotary_(q, k, cos, sin);
-  k_cache.index_copy_(0, slot_mapping, k);
-  v_cache.index_copy_(0, slot_mapping, v);
+  k_cache.index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
+  v_cache.index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
   at::Tensor out = at::empty({b, num_heads, head_dim}, h.options());
   llp::run_paged_attention(out, q, k_cache, v_cache, rows, kv_slots, ctx_lens, 1, scale, window);
   const at::Tensor a = linear_any(out.view({b, num_heads * head_dim}), o_w, max_rows, o_b, o_s);
@@ -1153,8 +1153,9 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
     // stalls leaves its work to the others. An item rotates its row's q and k heads, writes their K/V rows and
     // attends them; row m is sequence m's one query (run checks), so no item reads what another writes.
     std::atomic<int64_t>& next = J.attn_next[li];
-    T* kc = L.k_cache.data_ptr<T>();
-    T* vc = L.v_cache.data_ptr<T>();
+    void* kc = L.k_cache.data_ptr();
+    void* vc = L.v_cache.data_ptr();
+    const at::ScalarType ct = L.k_cache.scalar_type();
     auto write_kv = [&](int64_t it) {  // rotate the item's q and k heads, write its K/V rows
       const int64_t m = it / runs, kh0 = it % runs * nk;
       T* qh = qkv + m * QKV + kh0 * G * D;
@@ -1167,8 +1168,8 @@ void team_body(const TeamJob& J, int t, int n, SpinBarrier& bar, T* priv) {
       rotate<T>(qh, D, nq, cs + m * D, sn + m * D, D / 2);
       rotate<T>(kh, D, nk, cs + m * D, sn + m * D, D / 2);
       const int64_t slot = J.slot_mapping[m];
-      std::memcpy(kc + (slot * hk + kh0) * D, kh, sizeof(T) * nk * D);
-      std::memcpy(vc + (slot * hk + kh0) * D, vh, sizeof(T) * nk * D);
+      llp::store_kv<T>(kc, ct, (slot * hk + kh0) * D, kh, nk * D);
+      llp::store_kv<T>(vc, ct, (slot * hk + kh0) * D, vh, nk * D);
     };
     auto attend = [&](int64_t it) {
       const int64_t m = it / runs, kh0 = it % runs * nk;
@@ -1432,8 +1433,9 @@ struct DecodePlan : torch::CustomClassHolder {
     for (size_t i = 0; i < in_norm.size(); ++i) {
       TeamLayer L{};
       const at::Tensor &kc = k_caches[i], &vc = v_caches[i];
-      if (kc.scalar_type() != t || !kc.is_contiguous() || kc.dim() != 3 || kc.size(0) != num_slots ||
-          kc.size(1) != hk || kc.size(2) != D || vc.sizes() != kc.sizes() || vc.scalar_type() != t || !vc.is_contiguous())
+      if (!llp::kv_cache_supported(t, kc.scalar_type()) || !kc.is_contiguous() || kc.dim() != 3 ||
+          kc.size(0) != num_slots || kc.size(1) != hk || kc.size(2) != D || vc.sizes() != kc.sizes() ||
+          vc.scalar_type() != kc.scalar_type() || !vc.is_contiguous())
         return no("KV cache layout or dtype");
       if (!norm_ok(in_norm[i], H) || !norm_ok(post_norm[i], H)) return no("layer norm weights");
       if (!q_norm.empty() && (!norm_ok(q_norm[i], D) || !norm_ok(k_norm[i], D))) return no("q/k norm weights");

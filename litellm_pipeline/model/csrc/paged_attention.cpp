@@ -118,8 +118,8 @@ struct Shape {
 
 // One query row, kv heads [h0, h0 + nh) and their G query heads each, over context keys [begin, end).
 // DC: the head dim as a compile-time constant (0: use sh.d), so the common sizes get unrolled loops.
-template <typename T, int64_t DC>
-void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, int64_t begin, int64_t end,
+template <typename T, typename C, int64_t DC>
+void attend(const T* q, T* out, const C* kc, const C* vc, const int64_t* slots, int64_t begin, int64_t end,
             int64_t h0, float scale, const Shape& sh, float* ws) {
   const int64_t G = sh.g, D = DC ? DC : sh.d, NQ = sh.nh * sh.g, row = sh.hk * D;
   float* qf = ws;             // [NQ, D] scaled queries
@@ -135,9 +135,9 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, 
   }
   std::fill(acc, acc + NQ * D, 0.f);
   const int64_t span = sh.nh * D;  // this item's contiguous part of one token's row
-  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(T));
-  const T* kbase = kc + h0 * D;
-  const T* vbase = vc + h0 * D;
+  const int64_t span_bytes = span * static_cast<int64_t>(sizeof(C));
+  const C* kbase = kc + h0 * D;
+  const C* vbase = vc + h0 * D;
   for (int64_t i = 0; i < kPrefetch && begin + i < end; ++i) {
     const int64_t ps = slots[begin + i];
     if (ps >= 0 && ps < sh.num_slots) prefetch(kbase + ps * row, span_bytes), prefetch(vbase + ps * row, span_bytes);
@@ -152,9 +152,9 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, 
         const int64_t ps = slots[c0 + j + kPrefetch];
         if (ps >= 0 && ps < sh.num_slots) prefetch(kbase + ps * row, span_bytes), prefetch(vbase + ps * row, span_bytes);
       }
-      const T* kp = kbase + slot * row;
+      const C* kp = kbase + slot * row;
       for (int64_t hh = 0, qi = 0; hh < sh.nh; ++hh)
-        for (int64_t g = 0; g < G; ++g, ++qi) s[qi * kChunk + j] = dot<T, DC>(qf + qi * D, kp + hh * D, D);
+        for (int64_t g = 0; g < G; ++g, ++qi) s[qi * kChunk + j] = dot<C, DC>(qf + qi * D, kp + hh * D, D);
     }
     for (int64_t qi = 0; qi < NQ; ++qi) {
       float* sq = s + qi * kChunk;
@@ -180,9 +180,9 @@ void attend(const T* q, T* out, const T* kc, const T* vc, const int64_t* slots, 
       l[qi] += sum;
     }
     for (int64_t j = 0; j < n; ++j) {
-      const T* vp = vbase + slots[c0 + j] * row;
+      const C* vp = vbase + slots[c0 + j] * row;
       for (int64_t hh = 0, qi = 0; hh < sh.nh; ++hh)
-        for (int64_t g = 0; g < G; ++g, ++qi) axpy<T, DC>(acc + qi * D, s[qi * kChunk + j], vp + hh * D, D);
+        for (int64_t g = 0; g < G; ++g, ++qi) axpy<C, DC>(acc + qi * D, s[qi * kChunk + j], vp + hh * D, D);
     }
   }
   for (int64_t qi = 0; qi < NQ; ++qi) {
@@ -204,7 +204,7 @@ struct Job {
 };
 
 // Query i of sequence s over kv heads [h0, h0 + nh): one work item. ws: the item's scratch (item_scratch floats).
-template <typename T>
+template <typename T, typename C>
 void attend_item(const Job& jb, int64_t s, int64_t i, int64_t h0, float* ws) {
   const Shape& sh = jb.sh;
   const int64_t ctx = jb.lens[s], row = jb.rows[s] + i, pos = ctx - jb.q_len + i;
@@ -212,15 +212,15 @@ void attend_item(const Job& jb, int64_t s, int64_t i, int64_t h0, float* ws) {
               jb.max_len, "]");
   TORCH_CHECK(row >= 0 && row < jb.num_rows, "paged_attention: row ", row, " out of range");
   const int64_t begin = jb.window > 0 ? std::max<int64_t>(0, pos - jb.window + 1) : 0;
-  auto attend_fn = sh.d == 64 ? attend<T, 64> : sh.d == 128 ? attend<T, 128> : attend<T, 0>;
+  auto attend_fn = sh.d == 64 ? attend<T, C, 64> : sh.d == 128 ? attend<T, C, 128> : attend<T, C, 0>;
   attend_fn(static_cast<const T*>(jb.q) + row * sh.q_s0, static_cast<T*>(jb.out) + row * sh.o_s0,
-            static_cast<const T*>(jb.kc), static_cast<const T*>(jb.vc), jb.slots + s * jb.slot_stride, begin, pos + 1,
+            static_cast<const C*>(jb.kc), static_cast<const C*>(jb.vc), jb.slots + s * jb.slot_stride, begin, pos + 1,
             h0, jb.scale, sh, ws);
 }
 
 inline size_t item_scratch(const Shape& sh) { return static_cast<size_t>(sh.nh * sh.g * (2 * sh.d + kChunk + 2)); }
 
-template <typename T>
+template <typename T, typename C>
 void run(const Job& jb) {
   const Shape& sh = jb.sh;
   const int64_t splits = sh.hk / sh.nh, items = jb.num_seqs * splits * jb.q_len;
@@ -232,7 +232,7 @@ void run(const Job& jb) {
     std::vector<float> ws(item_scratch(sh));
     for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) {
       const int64_t i = it % jb.q_len, part = (it / jb.q_len) % splits, s = it / (jb.q_len * splits);
-      attend_item<T>(jb, s, i, part * sh.nh, ws.data());
+      attend_item<T, C>(jb, s, i, part * sh.nh, ws.data());
     }
   });
 }
@@ -254,9 +254,11 @@ void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at:
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_attention: caches must be contiguous");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "paged_attention: k_cache and v_cache shapes differ");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(),
-              "paged_attention: q, out and caches must share one dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_attention: q and out must share one dtype, and so must the two caches");
+  TORCH_CHECK(llp::kv_cache_supported(q.scalar_type(), k_cache.scalar_type()), "paged_attention: a ",
+              k_cache.scalar_type(), " cache with ", q.scalar_type(),
+              " queries is not supported (the queries' dtype, or float16 / bfloat16 under float32 queries)");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: head dim must be contiguous");
   TORCH_CHECK(q.sizes() == out.sizes(), "paged_attention: out must have q's shape");
   TORCH_CHECK(rows.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
@@ -269,6 +271,14 @@ void check_paged_attention(const at::Tensor& out, const at::Tensor& q, const at:
   TORCH_CHECK(q_len >= 1, "paged_attention: q_len must be >= 1");
   const int64_t hq = q.size(1), hk = k_cache.size(1), d = q.size(2);
   TORCH_CHECK(k_cache.size(2) == d && hk > 0 && hq % hk == 0, "paged_attention: head shapes do not match");
+}
+
+// (query type, cache type): the cache in the queries' dtype, or a 16-bit cache under float32 queries
+template <typename F>
+void dispatch_kv(at::ScalarType t, at::ScalarType c, F&& f) {
+  if (t == at::kFloat && c == at::kHalf) return f(float{}, c10::Half{});
+  if (t == at::kFloat && c == at::kBFloat16) return f(float{}, c10::BFloat16{});
+  llp::dispatch_float_types(t, "paged_attention", [&](auto tag) { f(tag, tag); });
 }
 
 Job make_job(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -291,18 +301,18 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   if (S == 0) return;
   const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window,
                            heads_per_item(k_cache.size(1), S * q_len));
-  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) { run<decltype(tag)>(job); });
+  dispatch_kv(q.scalar_type(), k_cache.scalar_type(), [&](auto t, auto c) { run<decltype(t), decltype(c)>(job); });
 }
 
 // the queries of sequences [s0, s1) over the job's kv heads from h0 (jb.sh.nh of them), all on the calling
 // thread: paged_attention's arithmetic (a query head's result does not depend on which heads share its work
 // item), for callers that split sequences and heads over their own threads
-template <typename T>
+template <typename T, typename C>
 void run_heads(const Job& jb, int64_t h0, int64_t s0, int64_t s1) {
   thread_local std::vector<float> ws;
   ws.resize(item_scratch(jb.sh));
   for (int64_t s = s0; s < s1; ++s)
-    for (int64_t i = 0; i < jb.q_len; ++i) attend_item<T>(jb, s, i, h0, ws.data());
+    for (int64_t i = 0; i < jb.q_len; ++i) attend_item<T, C>(jb, s, i, h0, ws.data());
 }
 
 }  // namespace
@@ -320,8 +330,8 @@ void paged_attention_heads(at::Tensor out, const at::Tensor& q, const at::Tensor
   s1 = std::min(s1, slots.size(0));
   if (h1 <= h0 || s1 <= s0) return;
   const Job job = make_job(out, q, k_cache, v_cache, rows, slots, ctx_lens, q_len, scale, window, h1 - h0);
-  llp::dispatch_float_types(q.scalar_type(), "paged_attention", [&](auto tag) {
-    run_heads<decltype(tag)>(job, h0, s0, s1);
+  dispatch_kv(q.scalar_type(), k_cache.scalar_type(), [&](auto t, auto c) {
+    run_heads<decltype(t), decltype(c)>(job, h0, s0, s1);
   });
 }
 
