@@ -20,7 +20,9 @@ mixed load the way llama.cpp serves it: the same GGUF in ``llama-server`` with `
 parallel slots and continuous batching, every request of the workload sent at once over HTTP (``/completion``
 with token-id prompts, greedy, ``ignore_eos``), output tokens over the wall time from the first request to the
 last answer; plus its batch-1 decode speed (one request alone, the server's own decode timing). Needs only the
-binary and ``gguf``, not llama-cpp-python.
+binary and ``gguf``, not llama-cpp-python. The server keeps its default F16 KV cache in every precision; the
+engine's row says its own (``kv_cache_dtype``: the model's dtype unless ``cache.dtype`` is set, e.g.
+``'++bench.engine={cache.dtype: float16}'`` for the same cache as the server's).
 """
 
 from __future__ import annotations

@@ -117,13 +117,17 @@ def _native(flag) -> str:
 
 
 def _precision_name(r: dict) -> str:
+    """The row's precision, with its KV cache's dtype where ``cache.dtype`` made it other than the activations'."""
+    act = r.get("compute_dtype") or ("float32" if r["dtype"] in ("int8", "int4") else r["dtype"])
+    kv = r.get("kv_cache_dtype")
+    cache = f", {kv} KV" if kv and kv != act else ""
     if r["dtype"] == "int4":
-        return (f"int4 (group {r.get('int4_group_size') or 32}, {r.get('compute_dtype') or 'float32'} act, "
-                f"{r.get('int4_dot') or 'int8'} dot{', int4 head' if r.get('int4_lm_head') else ''})")
+        return (f"int4 (group {r.get('int4_group_size') or 32}, {act} act, "
+                f"{r.get('int4_dot') or 'int8'} dot{', int4 head' if r.get('int4_lm_head') else ''}{cache})")
     if r["dtype"] != "int8":
-        return r["dtype"]
+        return r["dtype"] + (f" ({kv} KV)" if cache else "")
     dot = ", int8 GEMM" if r.get("int8_dot") == "int8" else ""
-    return f"int8 ({r.get('compute_dtype') or 'float32'} act{dot}{', int8 head' if r.get('int8_lm_head') else ''})"
+    return f"int8 ({act} act{dot}{', int8 head' if r.get('int8_lm_head') else ''}{cache})"
 
 
 def precision_table(rows: list[dict], label=lambda r: r["model"]) -> list[str]:

@@ -5,8 +5,8 @@ it attends; on a CPU that copy, not the arithmetic, bounds decode. Here a kernel
 compiled on first use with torch's JIT extension loader) walks each sequence's slots itself: one pass over
 the K/V rows it needs, an online softmax in float32, GQA/MQA by sharing each K/V row among the query heads of
 its group. Prefill goes through the kernel too, generalised to a chunk of queries with the causal offset,
-except where torch SDPA (as ``sdpa`` runs it) measured faster: long chunks over a cached prefix, and very
-long fresh prompts. In the batch-invariant mode (``engine.deterministic``) every chunk takes the kernel: it
+except where torch SDPA (as ``sdpa`` runs it) measured faster: chunks of more than a few queries, over a
+cached prefix or fresh (its causal flash kernel). In the batch-invariant mode (``engine.deterministic``) every chunk takes the kernel: it
 computes each query row alone, so a row's result does not depend on how the prompt was chunked.
 
 If the kernel cannot be built (no compiler, no ninja, a compile error) or the inputs are outside what it
@@ -26,12 +26,12 @@ from litellm_pipeline.registry import register
 from litellm_pipeline.registry.types import AttentionMetadata
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Prefill chunks up to these lengths go through the kernel, longer ones through torch SDPA. Measured on
-# 12x64 heads, fp32, 1 and 2 threads: over a 300-token cached prefix the kernel is 1.1-1.6x faster at 12
-# queries and SDPA's GEMMs win from ~16-64 on; on a fresh prompt, where SDPA runs its causal flash kernel,
-# the kernel is 1.3x faster at 512 queries and about even at 1024.
+# Prefill chunks up to these lengths go through the kernel, longer ones through torch SDPA. Over a cached prefix
+# (12x64 heads, fp32, 1 and 2 threads) the kernel is 1.1-1.6x faster at 12 queries and SDPA's GEMMs win from
+# ~16-64 on. On a fresh prompt SDPA runs its causal flash kernel: with torch 2.13 on an AVX-512 CPU (and its AVX2
+# path) it takes 0.4-0.8x the kernel's time from 32 queries on (0.37x at 512, 2 threads), and 1.2x at 16.
 PREFILL_KERNEL_MAX_Q = 12  # a chunk that continues a cached prefix (ctx_len > q_len)
-PREFILL_KERNEL_MAX_FRESH = 512  # a whole prompt (ctx_len == q_len)
+PREFILL_KERNEL_MAX_FRESH = 16  # a whole prompt (ctx_len == q_len)
 
 _op: Callable | None = None  # the loaded kernel
 _error: str | None = None  # why it could not be loaded (then every call uses sdpa)

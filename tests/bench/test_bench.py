@@ -339,6 +339,18 @@ def test_tiny_bench_without_the_peer_has_no_peer_columns(tmp_path):
     assert "expert offload (moe.hot_experts)" in data["_stdout"]
 
 
+def test_a_precision_names_its_kv_cache_where_cache_dtype_made_it_another():
+    from litellm_pipeline.bench.report import _precision_name
+
+    assert _precision_name({"dtype": "float32", "kv_cache_dtype": "float32"}) == "float32"
+    assert _precision_name({"dtype": "float32", "kv_cache_dtype": "float16"}) == "float32 (float16 KV)"
+    assert _precision_name({"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}) == "bfloat16"
+    assert _precision_name({"dtype": "int4", "compute_dtype": "float32", "int4_lm_head": True,
+                            "kv_cache_dtype": "float16"}) == "int4 (group 32, float32 act, int8 dot, int4 head, float16 KV)"
+    assert _precision_name({"dtype": "int8", "compute_dtype": "bfloat16",
+                            "kv_cache_dtype": "bfloat16"}) == "int8 (bfloat16 act)"
+
+
 @pytest.mark.slow
 def test_tiny_bench_int8_and_int4_precisions_beside_float32(tmp_path):
     tiny = [o for o in TINY if not o.startswith("bench.dtypes=")]
@@ -351,6 +363,7 @@ def test_tiny_bench_int8_and_int4_precisions_beside_float32(tmp_path):
     ratio4 = q4["roofline"]["weight_bytes_per_token"] / fp["roofline"]["weight_bytes_per_token"]
     assert 0.14 < ratio4 < 0.2  # (0.5 + 2 / 32) / 4 of the quantized weights, norms in float32
     assert "int4 (group 32, float32 act, int8 dot, int4 head)" in data["_stdout"]
+    assert fp["kv_cache_dtype"] == q8["kv_cache_dtype"] == q4["kv_cache_dtype"] == "float32"  # cache.dtype: null
     assert data["machine"]["int4_kernel"] in ("avx512", "avx2", "scalar")
     assert q8["compute_dtype"] == "float32" and q8["int8_lm_head"] is True
     assert q8["engine"]["output_tokens"] == fp["engine"]["output_tokens"] and _positive(q8["batch1"]["tok_s"])
