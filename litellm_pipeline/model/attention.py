@@ -23,13 +23,14 @@ class _Workspace:
     def __init__(self) -> None:
         self._bufs: dict[tuple, torch.Tensor] = {}
 
-    def take(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+    def take(self, name: str, rows: int, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         # a buffer made under inference mode cannot be written outside it: one per mode
-        key = (name, like.dtype, like.device, like.shape[1:], torch.is_inference_mode_enabled())
+        dtype = dtype or like.dtype
+        key = (name, dtype, like.device, like.shape[1:], torch.is_inference_mode_enabled())
         buf = self._bufs.get(key)
         if buf is None or buf.shape[0] < rows:
             buf = torch.empty((max(rows, 2 * (buf.shape[0] if buf is not None else 0)), *like.shape[1:]),
-                              dtype=like.dtype, device=like.device)
+                              dtype=dtype, device=like.device)
             self._bufs[key] = buf
         return buf[:rows]
 
@@ -37,13 +38,17 @@ class _Workspace:
 _local = threading.local()  # one workspace per thread: engines stepping in parallel threads never share it
 
 
-def gather_slots(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
-    """``cache[slots]`` (any index shape) into a reused buffer; the result is valid until the next call."""
-    flat = slots.reshape(-1)
+def _workspace() -> _Workspace:
     ws = getattr(_local, "ws", None)
     if ws is None:
         ws = _local.ws = _Workspace()
-    out = ws.take(name, flat.shape[0], cache)
+    return ws
+
+
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
+    """``cache[slots]`` (any index shape) into a reused buffer; the result is valid until the next call."""
+    flat = slots.reshape(-1)
+    out = _workspace().take(name, flat.shape[0], cache)
     torch.index_select(cache, 0, flat, out=out)
     return out.view(*slots.shape, *cache.shape[1:])
 
@@ -65,7 +70,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
 def gather_context(cache: torch.Tensor, slots: torch.Tensor, name: str, dtype: torch.dtype) -> torch.Tensor:
     """``gather_slots`` widened to the queries' ``dtype`` when the cache holds a narrower one."""
     out = gather_slots(cache, slots, name)
-    return out if out.dtype == dtype else out.to(dtype)
+    if out.dtype == dtype:
+        return out
+    wide = _workspace().take(name + "/wide", slots.numel(), cache, dtype)
+    return wide.view(out.shape).copy_(out)
 
 
 def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
