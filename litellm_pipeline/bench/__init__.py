@@ -90,7 +90,8 @@ def _measure_one(row: dict, path: Path, s: BenchSettings, base: dict, items, sin
     bar.set_description(f"{tag}: build engine")
     engine = build_engine(_config(base, path, s, dtype, {}))
     is_moe = engine.rt.model_cfg.is_moe
-    row["kv_cache_dtype"] = str(engine.rt.kv_caches[0][0].dtype).removeprefix("torch.")  # cache.dtype (null: the model's)
+    # cache.dtype (null: the model's)
+    row["kv_cache_dtype"] = str(engine.rt.kv_caches[0][0].dtype).removeprefix("torch.")
     engine_runs.warmup(engine, s.warmup, s.seed)
     bar.update()
     mark("engine build+warmup")

@@ -6,8 +6,9 @@ compiled on first use with torch's JIT extension loader) walks each sequence's s
 the K/V rows it needs, an online softmax in float32, GQA/MQA by sharing each K/V row among the query heads of
 its group. Prefill goes through the kernel too, generalised to a chunk of queries with the causal offset,
 except where torch SDPA (as ``sdpa`` runs it) measured faster: chunks of more than a few queries, over a
-cached prefix or fresh (its causal flash kernel). In the batch-invariant mode (``engine.deterministic``) every chunk takes the kernel: it
-computes each query row alone, so a row's result does not depend on how the prompt was chunked.
+cached prefix or fresh (its causal flash kernel). In the batch-invariant mode (``engine.deterministic``) every
+chunk takes the kernel: it computes each query row alone, so a row's result does not depend on how the prompt
+was chunked.
 
 If the kernel cannot be built (no compiler, no ninja, a compile error) or the inputs are outside what it
 handles (not CPU, another dtype), this falls back to ``sdpa`` and says why in one warning per reason.

@@ -345,8 +345,8 @@ def test_a_precision_names_its_kv_cache_where_cache_dtype_made_it_another():
     assert _precision_name({"dtype": "float32", "kv_cache_dtype": "float32"}) == "float32"
     assert _precision_name({"dtype": "float32", "kv_cache_dtype": "float16"}) == "float32 (float16 KV)"
     assert _precision_name({"dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}) == "bfloat16"
-    assert _precision_name({"dtype": "int4", "compute_dtype": "float32", "int4_lm_head": True,
-                            "kv_cache_dtype": "float16"}) == "int4 (group 32, float32 act, int8 dot, int4 head, float16 KV)"
+    int4 = {"dtype": "int4", "compute_dtype": "float32", "int4_lm_head": True, "kv_cache_dtype": "float16"}
+    assert _precision_name(int4) == "int4 (group 32, float32 act, int8 dot, int4 head, float16 KV)"
     assert _precision_name({"dtype": "int8", "compute_dtype": "bfloat16",
                             "kv_cache_dtype": "bfloat16"}) == "int8 (bfloat16 act)"
 
