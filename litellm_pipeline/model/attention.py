@@ -110,18 +110,20 @@ def sdpa_prefill_chunk(
     The chunk's K/V must already be in the cache. A whole fresh prompt attends over its own new K/V directly;
     a chunk that continues a cached prefix gathers the sequence's context from the cache.
     """
-    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1)
+    # [1, H, L, D]: with a batch dimension torch's CPU SDPA takes its flash kernel; 3-D inputs took the math path
+    # (1.5-3x slower at 128-512 queries)
+    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
     if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
-        ks = _as_cached(k[s.q_start : s.q_start + s.q_len], k_cache).transpose(0, 1)
-        vs = _as_cached(v[s.q_start : s.q_start + s.q_len], v_cache).transpose(0, 1)
+        ks = _as_cached(k[s.q_start : s.q_start + s.q_len], k_cache).transpose(0, 1).unsqueeze(0)
+        vs = _as_cached(v[s.q_start : s.q_start + s.q_len], v_cache).transpose(0, 1).unsqueeze(0)
     else:
-        ks = gather_context(k_cache, s.kv_slots, "k", q.dtype).transpose(0, 1)
-        vs = gather_context(v_cache, s.kv_slots, "v", q.dtype).transpose(0, 1)
+        ks = gather_context(k_cache, s.kv_slots, "k", q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = gather_context(v_cache, s.kv_slots, "v", q.dtype).transpose(0, 1).unsqueeze(0)
     mask = _prefill_mask(s.q_len, s.ctx_len, window, q.dtype, q.device)
     o = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
-    out[s.q_start : s.q_start + s.q_len] = o.transpose(0, 1)
+    out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
 
 
 @register("attention", "sdpa")

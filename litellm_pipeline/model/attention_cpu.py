@@ -29,10 +29,11 @@ from litellm_pipeline.registry.types import AttentionMetadata
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Prefill chunks up to these lengths go through the kernel, longer ones through torch SDPA. Over a cached prefix
 # (12x64 heads, fp32, 1 and 2 threads) the kernel is 1.1-1.6x faster at 12 queries and SDPA's GEMMs win from
-# ~16-64 on. On a fresh prompt SDPA runs its causal flash kernel: with torch 2.13 on an AVX-512 CPU (and its AVX2
-# path) it takes 0.4-0.8x the kernel's time from 32 queries on (0.37x at 512, 2 threads), and 1.2x at 16.
+# ~16-64 on. On a fresh prompt SDPA runs its causal flash kernel: with torch 2.13 on an AVX-512 CPU, through
+# sdpa_prefill_chunk, the kernel takes 0.7-0.9x its time at 16 queries, 0.9-1.2x at 32 and 1.1-1.6x at 48-64
+# (heads 4x16 to 12x64), up to 1.7-5x at 512.
 PREFILL_KERNEL_MAX_Q = 12  # a chunk that continues a cached prefix (ctx_len > q_len)
-PREFILL_KERNEL_MAX_FRESH = 16  # a whole prompt (ctx_len == q_len)
+PREFILL_KERNEL_MAX_FRESH = 32  # a whole prompt (ctx_len == q_len)
 
 _op: Callable | None = None  # the loaded kernel
 _error: str | None = None  # why it could not be loaded (then every call uses sdpa)
