@@ -50,8 +50,8 @@ inline __m256 load8h(const c10::BFloat16* p) {
 }
 
 #if defined(__AVX512F__)
-// AVX-512: 16 values a load. Prefill chunks attend over K/V that sit in cache, where this is compute-bound: at
-// 8 lanes a 16-bit cache ran a fresh prompt's attention slower than a float32 one.
+// AVX-512: 16 values a load, half the 256-bit path's instructions (decode is bound by the K/V reads either way;
+// a 512-query fresh prompt over a float16 cache measured 10.05 ms against 10.09 with 8 lanes)
 inline __m512 load16h(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16h(const c10::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
