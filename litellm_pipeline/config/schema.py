@@ -221,6 +221,8 @@ class ServerSection(_Section):
     max_body_bytes: int = Field(default=1_048_576, ge=1024)
     max_header_bytes: int = Field(default=16_384, ge=1024)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    # the interpreter's thread switch interval while serving (sys.setswitchinterval); None: Python's own (5 ms)
+    switch_interval_ms: float | None = Field(default=1.0, gt=0, le=100, allow_inf_nan=False)
 
 
 def _plugin_name(v: str) -> str:

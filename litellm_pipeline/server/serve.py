@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 from types import FrameType
 
@@ -94,7 +95,13 @@ def run_app(app: FastAPI, settings: ServerSection) -> DrainingServer:
         h11_max_incomplete_event_size=4 * settings.max_header_bytes, timeout_graceful_shutdown=_ABORT_GRACE_S,
     )
     server = DrainingServer(config, app, settings.drain_timeout_s)
-    server.run()
+    before = sys.getswitchinterval()
+    if settings.switch_interval_ms is not None:
+        sys.setswitchinterval(settings.switch_interval_ms / 1000)
+    try:
+        server.run()
+    finally:
+        sys.setswitchinterval(before)
     if not server.started:
         raise ConfigError(
             f"server: could not listen on {settings.host}:{settings.port} (see the log above; "

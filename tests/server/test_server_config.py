@@ -30,10 +30,37 @@ def test_serve_recipe_composes_the_server_defaults():
     ("server.drain_timeout_s=-1", "server.drain_timeout_s: must be >= 0"),
     ("+server.colour=blue", "server.colour: unknown key"),
     ("server.log_level=loud", "server.log_level: must be one of"),
+    ("server.switch_interval_ms=0", "server.switch_interval_ms: must be > 0"),
 ])
 def test_bad_server_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         validate_config(to_plain(compose(["+recipe=serve", override])))
+
+
+@pytest.mark.parametrize("ms", [1.0, 0.25, None])
+def test_the_switch_interval_holds_while_serving_and_is_put_back(monkeypatch, ms):
+    """The engine thread gives up the GIL at every kernel call: while serving, the interpreter hands it back
+    within ``server.switch_interval_ms`` (None: Python's own), and the caller's setting returns afterwards."""
+    from fastapi import FastAPI
+
+    from litellm_pipeline.config.schema import ServerSection
+    from litellm_pipeline.server import serve
+
+    seen = []
+
+    def run(self):
+        seen.append(sys.getswitchinterval())
+        self.started = True
+
+    monkeypatch.setattr(serve.DrainingServer, "run", run)
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+    try:
+        serve.run_app(FastAPI(), ServerSection(port=0, switch_interval_ms=ms))
+        assert sys.getswitchinterval() == pytest.approx(0.004)
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [pytest.approx(0.004 if ms is None else ms / 1000)]
 
 
 def run_serve(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
