@@ -112,18 +112,21 @@ def sdpa_prefill_chunk(
     """
     # [1, H, L, D]: with a batch dimension torch's CPU SDPA takes its flash kernel; 3-D inputs took the math path
     # (1.5-3x slower at 128-512 queries)
-    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(0, 1).unsqueeze(0)
+
+    rows = slice(s.q_start, s.q_start + s.q_len)
+    qs = heads_first(q[rows])
     if s.ctx_len == s.q_len:  # nothing cached before this chunk: use the fresh K/V directly
-        ks = _as_cached(k[s.q_start : s.q_start + s.q_len], k_cache).transpose(0, 1).unsqueeze(0)
-        vs = _as_cached(v[s.q_start : s.q_start + s.q_len], v_cache).transpose(0, 1).unsqueeze(0)
+        ks, vs = heads_first(_as_cached(k[rows], k_cache)), heads_first(_as_cached(v[rows], v_cache))
     else:
-        ks = gather_context(k_cache, s.kv_slots, "k", q.dtype).transpose(0, 1).unsqueeze(0)
-        vs = gather_context(v_cache, s.kv_slots, "v", q.dtype).transpose(0, 1).unsqueeze(0)
+        ks = heads_first(gather_context(k_cache, s.kv_slots, "k", q.dtype))
+        vs = heads_first(gather_context(v_cache, s.kv_slots, "v", q.dtype))
     mask = _prefill_mask(s.q_len, s.ctx_len, window, q.dtype, q.device)
     o = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
-    out[s.q_start : s.q_start + s.q_len] = o[0].transpose(0, 1)
+    out[rows] = o[0].transpose(0, 1)
 
 
 @register("attention", "sdpa")
